@@ -1,0 +1,221 @@
+"""CIFAR-100 (or synthetic data of its shape) as uint8 tensors, and the DDP data loaders.
+
+The images stay uint8 until they reach the device: the loader workers only crop
+and flip, and normalisation runs on the device in `Normalize`. That keeps the
+CPU cost per image tiny, which matters on clusters with few cores per GPU.
+
+Random augmentation is a pure function of (seed, epoch, sample index), so it does
+not depend on the number of ranks or workers, or on whether the run was resumed.
+"""
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision.datasets import CIFAR100
+from torchvision.datasets.utils import check_integrity, download_url, extract_archive
+
+from train_utils import UserError
+
+# The official archive, exactly as torchvision downloads and verifies it.
+CIFAR100_URL = CIFAR100.url
+CIFAR100_ARCHIVE = CIFAR100.filename  # cifar-100-python.tar.gz
+CIFAR100_MD5 = CIFAR100.tgz_md5
+CIFAR100_FOLDER = CIFAR100.base_folder  # cifar-100-python
+# Per-channel statistics of the CIFAR-100 training set.
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+NUM_CLASSES = 100
+PAD = 4  # random-crop padding, as in the WRN paper
+
+
+@dataclass
+class ImageData:
+    """One split: `images` uint8 (N, 3, 32, 32), `labels` int64 (N,)."""
+    images: torch.Tensor
+    labels: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- CIFAR-100 on disk
+
+def prepare_cifar100(data_dir: str) -> None:
+    """Make sure data_dir/cifar-100-python/ exists: extract the archive, downloading it first if absent.
+
+    The archive's md5 is checked before anything is extracted. Downloads and extractions go
+    to a private temporary folder and are renamed into place, so processes on several nodes
+    that share data_dir never see a half-written file.
+    """
+    folder = os.path.join(data_dir, CIFAR100_FOLDER)
+    if all(os.path.isfile(os.path.join(folder, f)) for f in ("train", "test", "meta")):
+        return
+    archive = os.path.join(data_dir, CIFAR100_ARCHIVE)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+        if not os.path.isfile(archive):
+            _download(data_dir)
+        if not check_integrity(archive, CIFAR100_MD5):
+            raise UserError(
+                f"{archive} fails its md5 check (expected {CIFAR100_MD5}): it is corrupt or incomplete; "
+                f"delete it and run again to download it, or copy a good one there"
+            )
+        with tempfile.TemporaryDirectory(dir=data_dir, prefix=".extract-") as tmp:
+            extract_archive(archive, tmp)
+            if not os.path.isdir(os.path.join(tmp, CIFAR100_FOLDER)):
+                raise UserError(f"{archive} does not contain {CIFAR100_FOLDER}/; delete it and download it again")
+            try:
+                os.rename(os.path.join(tmp, CIFAR100_FOLDER), folder)
+            except OSError:
+                if not os.path.isdir(folder):  # else another node won the race: fine
+                    raise
+    except OSError as e:
+        raise UserError(f"cannot prepare CIFAR-100 in {data_dir}: {e}") from e
+
+
+def _download(data_dir: str) -> None:
+    with tempfile.TemporaryDirectory(dir=data_dir, prefix=".download-") as tmp:
+        old_timeout = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(60)  # compute nodes without internet often drop packets: don't hang
+        try:
+            download_url(CIFAR100_URL, tmp, CIFAR100_ARCHIVE, md5=CIFAR100_MD5)
+        except Exception as e:
+            raise UserError(
+                f"CIFAR-100 is not in {os.path.abspath(data_dir)} and downloading it failed "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"place {CIFAR100_ARCHIVE} (from {CIFAR100_URL}) in that directory, or use --dataset synthetic"
+            ) from None
+        finally:
+            socket.setdefaulttimeout(old_timeout)
+        os.replace(os.path.join(tmp, CIFAR100_ARCHIVE), os.path.join(data_dir, CIFAR100_ARCHIVE))
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """The CIFAR pickles hold dicts, lists and numpy arrays; refuse anything else."""
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"), ("numpy", "dtype"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_cifar100(data_dir: str, train: bool) -> ImageData:
+    """Read the train or test pickle of the CIFAR-100 python version into uint8 tensors."""
+    path = os.path.join(data_dir, CIFAR100_FOLDER, "train" if train else "test")
+    try:
+        with open(path, "rb") as f:
+            entry = _SafeUnpickler(f, encoding="latin1").load()
+        data = torch.as_tensor(entry["data"])
+        labels = torch.as_tensor(entry["fine_labels"], dtype=torch.int64)
+        n = labels.numel()
+        if data.dtype != torch.uint8 or data.shape != (n, 3 * 32 * 32):
+            raise ValueError(f"data is {tuple(data.shape)} {data.dtype}, expected ({n}, 3072) uint8")
+        if n == 0 or labels.min() < 0 or labels.max() >= NUM_CLASSES:
+            raise ValueError(f"labels must lie in [0, {NUM_CLASSES})")
+    except Exception as e:
+        raise UserError(
+            f"{path} is unreadable ({type(e).__name__}: {e}); delete {os.path.dirname(path)} to extract it again"
+        ) from None
+    return ImageData(data.view(n, 3, 32, 32).contiguous(), labels)
+
+
+def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
+    """Random images and labels with CIFAR-100's shapes and dtypes: for smoke runs and benchmarks."""
+    g = torch.Generator().manual_seed(seed * 2 + int(train))
+    images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, NUM_CLASSES, (n,), dtype=torch.int64, generator=g)
+    return ImageData(images, labels)
+
+
+def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
+    """The train or test split of `dataset`, cut to its first `size` samples if size > 0."""
+    if dataset == "synthetic":
+        full = make_synthetic(size or (50_000 if train else 10_000), train)
+    else:
+        full = read_cifar100(data_dir, train)
+    if size > len(full.labels):
+        split = "train" if train else "test"
+        raise UserError(f"--{split}-size {size} exceeds the {len(full.labels)} {split} samples of {dataset}")
+    if size > 0:
+        full = ImageData(full.images[:size].clone(), full.labels[:size].clone())
+    return full
+
+
+# ----------------------------------------------------------------------------- augmentation and loaders
+
+def _mix64(*keys: int) -> int:
+    """splitmix64 over a few integers: a fast, well-mixed hash for per-sample randomness."""
+    mask = (1 << 64) - 1
+    h = 0x9E3779B97F4A7C15
+    for k in keys:
+        h = (h ^ (k & mask)) * 0xBF58476D1CE4E5B9 & mask
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & mask
+        h ^= h >> 29
+    return h
+
+
+class CIFARDataset(Dataset):
+    """uint8 images and labels. With `augment`, items are keyed (epoch, index) and get a random
+    32x32 crop of the zero-padded 40x40 image and a random horizontal flip, drawn from
+    hash(seed, epoch, index): the same for any number of ranks or workers."""
+
+    def __init__(self, data: ImageData, augment: bool = False, seed: int = 0):
+        self.labels, self.augment, self.seed = data.labels, augment, seed
+        # Pad once up front, so a crop is a slice.
+        self.images = torch.nn.functional.pad(data.images, (PAD,) * 4) if augment else data.images
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, key):
+        if not self.augment:
+            return self.images[key], self.labels[key]
+        epoch, idx = key
+        h = _mix64(self.seed, epoch, idx)
+        dx, dy, flip = h % 9, (h // 9) % 9, (h // 81) % 2  # 9 x 9 offsets x 2 flips
+        img = self.images[idx, :, dy:dy + 32, dx:dx + 32]
+        return (img.flip(-1) if flip else img), self.labels[idx]
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler (same shuffle from seed + epoch, same shard per rank) that yields
+    (epoch, index), so the workers' augmentation knows the epoch even with persistent workers.
+    Like DistributedSampler, it pads the shards with up to world_size - 1 repeated samples when
+    the world size does not divide the dataset, so that every rank takes the same number of steps."""
+
+    def __iter__(self):
+        return ((self.epoch, i) for i in super().__iter__())
+
+
+def build_loaders(train: ImageData, test: ImageData, per_rank_batch: int, rank: int, world_size: int,
+                  seed: int, workers: int, pin_memory: bool):
+    """The training loader (shuffled, sharded, set_epoch each epoch) and the test loader
+    (sharded without padding or dropping: every test image is scored exactly once)."""
+    common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
+    sampler = EpochSampler(train.labels, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    train_loader = DataLoader(CIFARDataset(train, augment=True, seed=seed), batch_size=per_rank_batch,
+                              sampler=sampler, **common)
+    test_loader = DataLoader(CIFARDataset(test), batch_size=per_rank_batch,
+                             sampler=range(rank, len(test.labels), world_size), **common)
+    return train_loader, test_loader
+
+
+class Normalize(torch.nn.Module):
+    """uint8 batch on the device -> normalised float, in the memory format the model wants."""
+
+    def __init__(self, mean, std, device, channels_last: bool = False):
+        super().__init__()
+        std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.scale = 1.0 / (255.0 * std)
+        self.shift = torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float().mul_(self.scale).sub_(self.shift)
+        return x.contiguous(memory_format=self.memory_format)

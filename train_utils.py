@@ -1,0 +1,233 @@
+"""Helpers for train_ddp.py: distributed setup, rank-0 output, exact evaluation, checkpoints."""
+import datetime
+import json
+import math
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class UserError(Exception):
+    """A problem the user can fix: printed as one line, without a traceback, and the run exits 2."""
+
+
+# ----------------------------------------------------------------------------- distributed setup
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def read_dist_env() -> DistEnv:
+    """Rank and world size from torchrun's environment, or a single process under plain python."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                       int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    return DistEnv()
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu or auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                        f"launch at most that many processes per node (--nproc_per_node)")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(env: DistEnv, timeout_s: float) -> None:
+    """NCCL with one GPU per LOCAL_RANK on CUDA, gloo on CPU. A no-op for a single plain process."""
+    if "RANK" not in os.environ:
+        return
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=env.device if backend == "nccl" else None)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather(obj):
+    """Every rank's `obj`, as a list indexed by rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def agree_on_error(error: str | None) -> None:
+    """Raise UserError on every rank if any rank hit one, so no rank is left waiting in a collective."""
+    errors = [(r, e) for r, e in enumerate(all_gather(error)) if e]
+    if errors:
+        rank, msg = errors[0]
+        raise UserError(f"{msg} (on rank {rank})" if dist.is_initialized() and rank != 0 else msg)
+
+
+def catch_user_error(fn, *args, **kwargs):
+    """Run fn and return (result, error message or None), for agree_on_error."""
+    try:
+        return fn(*args, **kwargs), None
+    except UserError as e:
+        return None, str(e)
+
+
+# ----------------------------------------------------------------------------- output and seeding
+
+_IS_MAIN = int(os.environ.get("RANK", "0")) == 0
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def log(*args, **kwargs) -> None:
+    """print on rank 0 only, flushed, so logs are not multiplied by the world size."""
+    if _IS_MAIN:
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temporary file in the same directory, then a rename."""
+    _atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
+def write_text(path: str, text: str) -> None:
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _atomic_write(path: str, write) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def check_writable(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
+
+
+# ----------------------------------------------------------------------------- learning rate
+
+def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
+    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
+    ratio = batch_size / reference_batch
+    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def lr_lambda(steps_per_epoch: int, epochs: int, warmup_epochs: float, schedule: str):
+    """Multiplier of the peak LR at each step: linear warm-up, then cosine to 0 or the WRN paper's
+    steps (x0.2 at 30%, 60% and 80% of training)."""
+    total = steps_per_epoch * epochs
+    warmup = min(int(round(warmup_epochs * steps_per_epoch)), total)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "step":
+            return 0.2 ** sum(step >= m * total for m in (0.3, 0.6, 0.8))
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+@torch.no_grad()
+def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -> dict:
+    """Loss, top-1 and top-5 accuracy over the whole test set, exact for any world size.
+
+    Each rank scores its own shard; the sums (not per-rank means) are all-reduced, so uneven
+    shards weigh correctly. The count check proves every test image was scored exactly once.
+    """
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*n, top-1, top-5, n
+    for images, labels in loader:
+        images = normalize(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
+        top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
+        sums += torch.stack([loss.double(),
+                             (top5[:, 0] == labels).sum().double(),
+                             (top5 == labels[:, None]).any(dim=1).sum().double(),
+                             torch.tensor(labels.numel(), dtype=torch.float64, device=device)])
+    all_reduce_sum(sums)
+    loss_sum, top1, top5_correct, count = sums.tolist()
+    if int(count) != expected_count:
+        raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
+    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5_correct / count,
+            "val_count": int(count)}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP and torch.compile, so saved keys carry no module./_orig_mod. prefix."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Rank 0 writes a temporary file and renames it over the old checkpoint: a crash mid-write
+    leaves the previous checkpoint intact."""
+    _atomic_write(path, lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: str, device: torch.device) -> dict:
+    try:
+        # weights_only: a checkpoint is data, never code; this refuses pickled objects.
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        f"move it away to start afresh") from None
+
+
+def describe_model(cfg: dict) -> str:
+    return f"WRN-{cfg['depth']}-{cfg['widen_factor']} with {cfg['num_classes']} classes"
+
+
+def host_name() -> str:
+    return socket.gethostname()
