@@ -1,0 +1,102 @@
+"""Shared helpers: launch the real entry point, and write CIFAR-100 archives in the exact python format."""
+import hashlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# A tiny WideResNet (WRN-10-1, 84k parameters) keeps CPU runs in seconds.
+TINY = ["--depth", "10", "--widen-factor", "1", "--workers", "0", "--timeout", "120"]
+
+
+def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True):
+    """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python."""
+    cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
+    cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def learnable_images(labels, rng, noise=24.0):
+    """Class-dependent images: a colour and a grating per class, plus Gaussian noise."""
+    classes = np.random.default_rng(1234)  # the same class patterns in train and test
+    colour = classes.uniform(50, 205, size=(100, 3, 1, 1))
+    freq = classes.integers(1, 4, size=(100, 2))
+    phase = classes.uniform(0, 2 * np.pi, size=100)
+    yy, xx = np.mgrid[0:32, 0:32]
+    grating = np.stack([np.sin(2 * np.pi * (fx * xx + fy * yy) / 32 + p) for (fx, fy), p in zip(freq, phase)])
+    imgs = colour[labels] + 45 * grating[labels][:, None] + rng.normal(0, noise, size=(len(labels), 3, 32, 32))
+    return np.clip(imgs, 0, 255).astype(np.uint8)
+
+
+def index_images(n):
+    """Every pixel of image i encodes i (channel 0: i % 256, channel 1: i // 256), so a batch
+    reveals which samples it holds whatever the crop and flip."""
+    idx = np.arange(n)
+    imgs = np.zeros((n, 3, 32, 32), dtype=np.uint8)
+    imgs[:, 0] = (idx % 256)[:, None, None]
+    imgs[:, 1] = (idx // 256)[:, None, None]
+    return imgs
+
+
+def write_cifar100(data_dir, n_train, n_test, kind="learnable", archive=True, seed=0):
+    """Write data_dir/cifar-100-python.tar.gz (and return its md5), in the layout and pickle format
+    of the official archive: cifar-100-python/{train,test,meta}, dicts with 'data' (N, 3072) uint8
+    rows in CHW order, 'fine_labels', 'coarse_labels', 'filenames' and 'batch_label'."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(data_dir, "cifar-100-python")
+    os.makedirs(folder, exist_ok=True)
+    for split, n in (("train", n_train), ("test", n_test)):
+        labels = np.arange(n) % 100 if kind == "index" else rng.integers(0, 100, size=n)
+        imgs = index_images(n) if kind == "index" else learnable_images(labels, rng)
+        entry = {"filenames": [f"img_{i}.png" for i in range(n)], "batch_label": f"{split} batch 1 of 1",
+                 "fine_labels": [int(x) for x in labels], "coarse_labels": [int(x) // 5 for x in labels],
+                 "data": imgs.reshape(n, 3072)}
+        with open(os.path.join(folder, split), "wb") as f:
+            pickle.dump(entry, f, protocol=2)  # the official files are protocol-2 pickles
+    with open(os.path.join(folder, "meta"), "wb") as f:
+        pickle.dump({"fine_label_names": [f"class_{i}" for i in range(100)],
+                     "coarse_label_names": [f"super_{i}" for i in range(20)]}, f, protocol=2)
+    if not archive:
+        return None
+    path = os.path.join(data_dir, "cifar-100-python.tar.gz")
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(folder, arcname="cifar-100-python")
+    for name in ("train", "test", "meta"):
+        os.unlink(os.path.join(folder, name))
+    os.rmdir(folder)
+    return hashlib.md5(open(path, "rb").read()).hexdigest()
+
+
+def load_model_state(out_dir):
+    return torch.load(os.path.join(out_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def learnable_dir(tmp_path_factory):
+    """An extracted CIFAR-100-format dataset that a tiny WRN can learn."""
+    d = tmp_path_factory.mktemp("learnable")
+    write_cifar100(str(d), 3000, 500, archive=False)
+    return str(d)

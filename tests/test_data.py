@@ -1,0 +1,130 @@
+"""The real CIFAR-100 loading code on generated archives in the official format, and the loaders."""
+import collections
+import io
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import dataset_utils as du
+from conftest import index_images, write_cifar100
+from train_utils import UserError
+
+
+def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch):
+    md5 = write_cifar100(str(tmp_path), 250, 120, seed=3)
+    # Read back what was written, independently of the code under test.
+    write_cifar100(str(tmp_path / "ref"), 250, 120, seed=3, archive=False)
+    monkeypatch.setattr(du, "CIFAR100_MD5", md5)  # the generated archive's md5 stands in for the real one
+    du.prepare_cifar100(str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "cifar-100-python")) == ["meta", "test", "train"]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary leftovers
+    for split, n in (("train", 250), ("test", 120)):
+        data = du.read_cifar100(str(tmp_path), split == "train")
+        with open(tmp_path / "ref" / "cifar-100-python" / split, "rb") as f:
+            ref = pickle.load(f, encoding="latin1")
+        assert data.images.dtype == torch.uint8 and data.images.shape == (n, 3, 32, 32)
+        assert data.labels.dtype == torch.int64 and data.labels.tolist() == ref["fine_labels"]
+        assert torch.equal(data.images.reshape(n, -1), torch.from_numpy(ref["data"]))
+    # A second call finds the extracted files and does nothing.
+    du.prepare_cifar100(str(tmp_path))
+
+
+def test_synthetic_has_the_shapes_and_dtypes_of_cifar100(tmp_path):
+    write_cifar100(str(tmp_path), 100, 50, archive=False)
+    for train in (True, False):
+        real = du.load_split("cifar100", str(tmp_path), train)
+        fake = du.load_split("synthetic", str(tmp_path), train, size=len(real.labels))
+        assert fake.images.dtype == real.images.dtype == torch.uint8
+        assert fake.images.shape == real.images.shape
+        assert fake.labels.dtype == real.labels.dtype == torch.int64
+        assert 0 <= int(fake.labels.min()) and int(fake.labels.max()) < 100
+    assert len(du.load_split("synthetic", "", True).labels) == 50_000
+    assert len(du.load_split("synthetic", "", False).labels) == 10_000
+
+
+def test_train_and_test_size_take_the_first_samples(tmp_path):
+    write_cifar100(str(tmp_path), 100, 50, archive=False)
+    full = du.load_split("cifar100", str(tmp_path), True)
+    part = du.load_split("cifar100", str(tmp_path), True, size=30)
+    assert torch.equal(part.images, full.images[:30]) and torch.equal(part.labels, full.labels[:30])
+    with pytest.raises(UserError, match="--train-size 101 exceeds the 100 train samples"):
+        du.load_split("cifar100", str(tmp_path), True, size=101)
+
+
+def test_corrupt_archive_is_refused_before_extraction(tmp_path):
+    write_cifar100(str(tmp_path), 20, 10)
+    archive = tmp_path / "cifar-100-python.tar.gz"
+    with pytest.raises(UserError, match="fails its md5 check.*delete it"):
+        du.prepare_cifar100(str(tmp_path))
+    assert not (tmp_path / "cifar-100-python").exists()
+    assert archive.exists()  # the user's file is left for them to inspect
+
+
+def test_missing_data_offline_names_the_directory_and_the_archive(tmp_path, monkeypatch):
+    monkeypatch.setattr(du, "CIFAR100_URL", "http://127.0.0.1:9/cifar-100-python.tar.gz")
+    with pytest.raises(UserError) as e:
+        du.prepare_cifar100(str(tmp_path / "data"))
+    msg = str(e.value)
+    assert str(tmp_path / "data") in msg and "cifar-100-python.tar.gz" in msg and "\n" not in msg
+    assert os.listdir(tmp_path / "data") == []  # no partial download left behind
+
+
+def test_pickles_holding_code_are_refused(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+    (folder / "train").write_bytes(pickle.dumps({"data": Evil(), "fine_labels": []}))
+    with pytest.raises(UserError, match="unexpected object"):
+        du.read_cifar100(str(tmp_path), train=True)
+    (folder / "test").write_bytes(b"truncated")
+    with pytest.raises(UserError, match="is unreadable"):
+        du.read_cifar100(str(tmp_path), train=False)
+
+
+def test_augmentation_reaches_all_81_crops_and_2_flips_uniformly():
+    # An image whose pixels are all distinct, so each output reveals its crop offset and flip.
+    g = torch.Generator().manual_seed(0)
+    img = torch.randint(1, 256, (1, 3, 32, 32), generator=g, dtype=torch.uint8)
+    ds = du.CIFARDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=7)
+    padded = torch.nn.functional.pad(img[0], (4, 4, 4, 4))
+    views = {}
+    for dy in range(9):
+        for dx in range(9):
+            crop = padded[:, dy:dy + 32, dx:dx + 32]
+            views[crop.numpy().tobytes()] = (dy, dx, 0)
+            views[crop.flip(-1).numpy().tobytes()] = (dy, dx, 1)
+    assert len(views) == 162
+    n = 162 * 100
+    counts = collections.Counter(views[ds[(epoch, 0)][0].numpy().tobytes()] for epoch in range(n))
+    assert len(counts) == 162
+    chi2 = sum((c - 100) ** 2 / 100 for c in counts.values())
+    assert chi2 < 230  # chi-square, 161 degrees of freedom: p ~ 0.0003
+    # Deterministic: the same key gives the same view, and other seeds give other views.
+    assert torch.equal(ds[(5, 0)][0], ds[(5, 0)][0])
+    other = du.CIFARDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=8)
+    assert any(not torch.equal(ds[(e, 0)][0], other[(e, 0)][0]) for e in range(10))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_test_shards_cover_every_image_exactly_once(world_size):
+    data = du.ImageData(torch.from_numpy(index_images(301)), torch.arange(301))
+    seen = []
+    for rank in range(world_size):
+        _, test_loader = du.build_loaders(data, data, 16, rank, world_size, seed=0, workers=0, pin_memory=False)
+        for images, labels in test_loader:
+            seen += (images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()).tolist()
+    assert sorted(seen) == list(range(301))
+
+
+def test_normalize_matches_the_torchvision_transform():
+    from torchvision.transforms import v2
+    x = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+    ours = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))(x)
+    ref = v2.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD)(x.float() / 255)
+    assert torch.allclose(ours, ref, atol=1e-5)
