@@ -198,12 +198,15 @@ def build_loaders(train: ImageData, test: ImageData, per_rank_batch: int, rank: 
                   seed: int, workers: int, pin_memory: bool):
     """The training loader (shuffled, sharded, set_epoch each epoch) and the test loader
     (sharded without padding or dropping: every test image is scored exactly once)."""
+    # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
+    # it starts an epoch, which would make dropout depend on whether the run was resumed.
     common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
     sampler = EpochSampler(train.labels, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     train_loader = DataLoader(CIFARDataset(train, augment=True, seed=seed), batch_size=per_rank_batch,
-                              sampler=sampler, **common)
+                              sampler=sampler, generator=torch.Generator().manual_seed(seed), **common)
     test_loader = DataLoader(CIFARDataset(test), batch_size=per_rank_batch,
-                             sampler=range(rank, len(test.labels), world_size), **common)
+                             sampler=range(rank, len(test.labels), world_size),
+                             generator=torch.Generator().manual_seed(seed), **common)
     return train_loader, test_loader
 
 

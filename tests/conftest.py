@@ -22,7 +22,8 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")

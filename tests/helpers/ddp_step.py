@@ -1,0 +1,44 @@
+"""Launched by torchrun: one optimizer step of train_ddp.train_one_epoch on one global batch.
+
+Usage: ddp_step.py OUT_FILE GLOBAL_BATCH
+BatchNorm stays in eval mode (running statistics), so per-rank batch statistics play no part:
+with N ranks of GLOBAL_BATCH/N the step must equal one rank with GLOBAL_BATCH.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import dataset_utils as du  # noqa: E402
+import train_ddp  # noqa: E402
+from train_utils import init_distributed, read_dist_env, seed_everything, unwrap  # noqa: E402
+
+out, batch = sys.argv[1], int(sys.argv[2])
+args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
+env = read_dist_env()
+init_distributed(env, timeout_s=60)
+data = du.load_split("synthetic", "", True, size=batch)
+loader, _ = du.build_loaders(data, data, batch // env.world_size, env.rank, env.world_size, seed=0,
+                             workers=0, pin_memory=False)
+seed_everything(0)
+model = train_ddp.build_model(args)
+for m in model.modules():
+    if isinstance(m, torch.nn.BatchNorm2d):
+        m.eval()
+        m.train = lambda mode=True, m=m: m  # stays in eval mode through model.train()
+if env.world_size > 1:
+    model = DDP(model)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+scaler = torch.amp.GradScaler("cpu", enabled=False)
+normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
+loader.sampler.set_epoch(1)
+_, count = train_ddp.train_one_epoch(model, loader, normalize, optimizer, scheduler, scaler,
+                                     torch.nn.CrossEntropyLoss(), torch.device("cpu"), None)
+assert int(count) == batch // env.world_size, "one step of one global batch"
+if env.is_main:
+    torch.save(unwrap(model).state_dict(), out)
+if env.world_size > 1:
+    torch.distributed.destroy_process_group()

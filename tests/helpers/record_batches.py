@@ -1,0 +1,31 @@
+"""Launched by torchrun: record which training samples each rank's real loader yields, epoch by epoch.
+
+Usage: record_batches.py DATA_DIR OUT_JSON PER_RANK_BATCH EPOCHS WORKERS
+The data must come from conftest.index_images, whose pixels encode each sample's index.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import dataset_utils as du  # noqa: E402
+from train_utils import all_gather, init_distributed, read_dist_env  # noqa: E402
+
+data_dir, out, per_rank_batch, epochs, workers = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+env = read_dist_env()
+init_distributed(env, timeout_s=60)
+train = du.load_split("cifar100", data_dir, True)
+loader, _ = du.build_loaders(train, train, per_rank_batch, env.rank, env.world_size, seed=0,
+                             workers=workers, pin_memory=False)
+record = {}
+for epoch in range(1, epochs + 1):
+    loader.sampler.set_epoch(epoch)  # as train_ddp.py does
+    seen = []
+    for images, labels in loader:
+        ids = images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()
+        assert (labels == ids % 100).all(), "labels travel with their images"
+        seen += ids.tolist()
+    record[epoch] = all_gather(seen)
+if env.is_main:
+    with open(out, "w") as f:
+        json.dump(record, f)
