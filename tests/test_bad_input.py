@@ -1,0 +1,99 @@
+"""Each bad input: one clear line naming the fix, a non-zero exit, no traceback, nothing overwritten."""
+import hashlib
+import os
+
+import pytest
+
+from conftest import TINY, launch, write_cifar100
+
+SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
+OFFLINE = {"CIFAR100_URL": "http://127.0.0.1:9/cifar-100-python.tar.gz"}  # refused at once, as offline
+
+
+def snapshot(d):
+    if not os.path.isdir(d):
+        return None
+    return {f: hashlib.md5(open(os.path.join(d, f), "rb").read()).hexdigest() for f in sorted(os.listdir(d))}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A good run whose out-dir the bad runs point at: none of them may change it."""
+    out = tmp_path_factory.mktemp("good") / "run"
+    launch([*SMALL, "--out-dir", out])
+    return out
+
+
+def assert_refused(proc, expected, torchrun=False):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr  # printed by rank 0 alone
+    assert expected in lines[0], lines[0]
+    if torchrun:  # torchrun adds its own failure report; none of it comes from our code
+        assert "train_ddp.py\", line" not in proc.stdout + proc.stderr
+    else:
+        assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--depth", 12], "--depth: WideResNet depth must be 6n+4"),
+    (["--epochs", 0], "--epochs must be at least 1, got 0"),
+    (["--epochs", -3], "--epochs must be at least 1, got -3"),
+    (["--target-accuracy", 85], "--target-accuracy is a fraction in [0, 1], got 85.0 (85% is 0.85)"),
+    (["--target-accuracy", -0.1], "--target-accuracy is a fraction in [0, 1]"),
+])
+def test_bad_arguments(finished_run, args, expected):
+    before = snapshot(finished_run)
+    assert_refused(launch([*SMALL, "--out-dir", finished_run, *args], torchrun=False, check=False), expected)
+    assert snapshot(finished_run) == before
+
+
+def test_batch_that_the_world_size_does_not_divide(finished_run):
+    before = snapshot(finished_run)
+    proc = launch([*SMALL, "--out-dir", finished_run, "--batch-size", 63], nproc=2, check=False)
+    assert_refused(proc, "--batch-size 63 must be a positive multiple of the world size 2; try --batch-size 64",
+                   torchrun=True)
+    assert snapshot(finished_run) == before
+
+
+def test_missing_data_offline(tmp_path, finished_run):
+    before = snapshot(finished_run)
+    data = tmp_path / "nodata"
+    proc = launch(["--data-dir", data, "--out-dir", finished_run, *TINY], nproc=2, env=OFFLINE, check=False)
+    assert_refused(proc, f"CIFAR-100 is not in {data} and downloading it failed", torchrun=True)
+    assert "place cifar-100-python.tar.gz" in proc.stderr
+    assert snapshot(finished_run) == before and os.listdir(data) == []
+
+
+def test_corrupt_archive(tmp_path, finished_run):
+    before = snapshot(finished_run)
+    write_cifar100(str(tmp_path), 20, 10)  # its md5 is not the official one
+    proc = launch(["--data-dir", tmp_path, "--out-dir", finished_run, *TINY], torchrun=False, env=OFFLINE,
+                  check=False)
+    assert_refused(proc, "cifar-100-python.tar.gz fails its md5 check")
+    assert snapshot(finished_run) == before and not (tmp_path / "cifar-100-python").exists()
+
+
+def test_mismatched_checkpoint(finished_run):
+    before = snapshot(finished_run)
+    proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
+    assert_refused(proc, "holds WRN-10-1 with 100 classes, but this run builds WRN-16-1 with 100 classes; "
+                         "pass the same --depth/--widen-factor, or another --out-dir", torchrun=True)
+    assert snapshot(finished_run) == before
+
+
+def test_unwritable_out_dir(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    proc = launch([*SMALL, "--out-dir", blocker / "run"], torchrun=False, check=False)
+    assert_refused(proc, f"--out-dir {blocker / 'run'} is not writable")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_corrupt_checkpoint_is_refused_not_overwritten(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(b"garbage")
+    proc = launch([*SMALL, "--out-dir", out], torchrun=False, check=False)
+    assert_refused(proc, "checkpoint.pt cannot be loaded")
+    assert (out / "checkpoint.pt").read_bytes() == b"garbage"
