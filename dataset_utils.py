@@ -9,7 +9,6 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 """
 import os
 import pickle
-import shutil
 import socket
 import tempfile
 from dataclasses import dataclass
@@ -185,13 +184,33 @@ class CIFARDataset(Dataset):
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler (same shuffle from seed + epoch, same shard per rank) that yields
-    (epoch, index), so the workers' augmentation knows the epoch even with persistent workers.
-    Like DistributedSampler, it pads the shards with up to world_size - 1 repeated samples when
-    the world size does not divide the dataset, so that every rank takes the same number of steps."""
+    """DistributedSampler's shuffle and shards, yielding (epoch, index) so that the workers'
+    augmentation knows the epoch even with persistent workers, and able to start mid-epoch.
+
+    As in DistributedSampler, the epoch's order is randperm(seed + epoch), padded with its first
+    few samples to a multiple of the world size, and rank r takes every world_size-th sample from
+    r. Global step s thus covers positions [s * batch, (s + 1) * batch) of that order whatever the
+    world size, so `set_epoch(epoch, start=s * batch)` resumes after step s, even on another
+    number of ranks, with exactly the samples the epoch has not yet seen."""
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.start = start
+
+    def _order(self):
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=g).tolist()
+        pad = (-len(order)) % self.num_replicas
+        order += (order * (pad // len(order) + 1))[:pad]
+        return order[getattr(self, "start", 0):]
 
     def __iter__(self):
-        return ((self.epoch, i) for i in super().__iter__())
+        return ((self.epoch, i) for i in self._order()[self.rank::self.num_replicas])
+
+    def __len__(self):
+        padded = -(-len(self.dataset) // self.num_replicas) * self.num_replicas
+        return (padded - getattr(self, "start", 0)) // self.num_replicas
 
 
 def build_loaders(train: ImageData, test: ImageData, per_rank_batch: int, rank: int, world_size: int,

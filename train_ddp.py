@@ -13,9 +13,11 @@ The places marked ADAPT are where you plug in your own data and model.
 """
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -24,10 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
 from model import WideResNet, check_depth
-from train_utils import (UserError, agree_on_error, all_gather, all_reduce_sum, catch_user_error,
-                         check_writable, describe_model, evaluate, host_name, init_distributed,
-                         load_checkpoint, log, lr_lambda, pick_device, read_dist_env, save_checkpoint,
-                         scaled_lr, seed_everything, unwrap, write_json, write_text)
+from train_utils import (EXIT_STOPPED, Progress, StopRequest, UserError, agree_on_error, all_gather,
+                         all_reduce_sum, catch_user_error, check_writable, describe_model, evaluate, host_name,
+                         init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env,
+                         save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
+
+STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -64,6 +68,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
     p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 where supported, fp16 on older GPUs, off on CPU")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep, newest first")
     p.add_argument("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, checkpointed, to resume in a later job (0: never)")
     p.add_argument("--evaluate", action="store_true", help="evaluate the checkpoint in --out-dir on the test set and exit")
     return p
@@ -82,10 +88,10 @@ def check_args(args, world_size: int) -> None:
         raise UserError(f"--epochs must be at least 1, got {args.epochs}")
     if not 0.0 <= args.target_accuracy <= 1.0:
         raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "widen_factor", "reference_batch_size"):
+    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch"):
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
@@ -106,41 +112,36 @@ def build_model(args) -> nn.Module:
     return WideResNet(args.depth, args.widen_factor, dataset_utils.NUM_CLASSES, args.dropout)
 
 
-def train_one_epoch(model, loader, normalize, optimizer, scheduler, scaler, loss_fn, device, amp_dtype):
-    """One pass over this rank's shard. Returns (sum of per-sample losses, samples) as device
-    tensors: the loss is never read on the host mid-epoch, which would stall the GPU every step."""
-    model.train()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = torch.zeros((), dtype=torch.float64, device=device)
-    for images, labels in loader:
-        images = normalize(images.to(device, non_blocking=True))
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = loss_fn(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()  # DDP all-reduces (averages) the gradients during backward
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        loss_sum += loss.detach().double() * labels.numel()
-        count += labels.numel()
-    return loss_sum, count
+def train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, amp_dtype):
+    """One optimizer step on this rank's share of a global batch. Returns the loss, on the device:
+    reading it on the host here would stall the GPU every step."""
+    device = normalize.scale.device
+    images = normalize(images.to(device, non_blocking=True))
+    labels = labels.to(device, non_blocking=True)
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        loss = loss_fn(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # DDP averages the gradients over all ranks during backward
+    scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
+    scaler.update()
+    scheduler.step()
+    return loss.detach()
 
 
-def main(args) -> None:
+def main(args) -> int:
     env = read_dist_env()
     check_args(args, env.world_size)
     env.device = pick_device(args.device, env.local_rank)
     amp_dtype = resolve_amp(args.amp, env.device)
     init_distributed(env, args.timeout)
     try:
-        run(args, env, amp_dtype)
+        return run(args, env, amp_dtype)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(args, env, amp_dtype) -> None:
+def run(args, env, amp_dtype) -> int:
     device = env.device
     # ------------------------------------------------------------------ setup
     hosts = all_gather(host_name())
@@ -181,7 +182,8 @@ def run(args, env, amp_dtype) -> None:
     model_config = {"depth": args.depth, "widen_factor": args.widen_factor, "num_classes": dataset_utils.NUM_CLASSES}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay)
-    steps_per_epoch = len(train_loader)
+    # Steps per epoch from the global batch, so the schedule is the same on any number of ranks.
+    steps_per_epoch = math.ceil(n_train / args.batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(steps_per_epoch, args.epochs, args.warmup_epochs, args.lr_schedule))
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
@@ -189,27 +191,27 @@ def run(args, env, amp_dtype) -> None:
     seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
 
     # ------------------------------------------------------------------ resume
-    ckpt_path = os.path.join(args.out_dir, "checkpoint.pt")
-    start_epoch, history, total_time, total_images, stopped_early = 0, [], 0.0, 0, False
-    if os.path.exists(ckpt_path):
-        ckpt, err = catch_user_error(load_checkpoint, ckpt_path, device)
-        if ckpt is not None and ckpt["model_config"] != model_config:
-            err = (f"{ckpt_path} holds {describe_model(ckpt['model_config'])}, but this run builds "
-                   f"{describe_model(model_config)}; pass the same --depth/--widen-factor, or another --out-dir")
-        agree_on_error(err)
+    progress = Progress()
+    found, err = catch_user_error(load_latest_checkpoint, args.out_dir, device, args.keep_checkpoints)
+    ckpt, ckpt_path = found or (None, None)
+    if ckpt is not None and ckpt["model_config"] != model_config:
+        err = (f"{ckpt_path} holds {describe_model(ckpt['model_config'])}, but this run builds "
+               f"{describe_model(model_config)}; pass the same --depth/--widen-factor, or another --out-dir")
+    agree_on_error(err)
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         scaler.load_state_dict(ckpt["scaler"])
-        start_epoch, history, stopped_early = ckpt["epoch"], ckpt["val_history"], ckpt["stopped_early"]
-        total_time, total_images = ckpt["total_time_s"], ckpt["total_images"]
-        if ckpt["world_size"] == env.world_size:  # else: the seed above is as good as any
+        progress = Progress(**ckpt["progress"])
+        if ckpt["world_size"] == env.world_size:  # else the seed above serves as well as any
             torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
             if device.type == "cuda":
                 torch.cuda.set_rng_state(ckpt["rng_cuda"][env.rank].cpu(), device)
-        log(f"Resumed from {ckpt_path}: {start_epoch} of {args.epochs} epochs done.")
+        log(f"Resumed from {ckpt_path}: epoch {progress.epoch} of {args.epochs} done"
+            + (f", and {progress.step} steps of the next." if progress.step else "."))
     elif args.evaluate:
-        raise UserError(f"--evaluate needs a checkpoint, and {ckpt_path} does not exist")
+        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
 
@@ -218,9 +220,20 @@ def run(args, env, amp_dtype) -> None:
         log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
         log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
         if env.is_main:
-            write_json(os.path.join(args.out_dir, "eval.json"), {**metrics, "epoch": start_epoch,
+            write_json(os.path.join(args.out_dir, "eval.json"), {**metrics, "epoch": progress.epoch,
                                                                  "world_size": env.world_size})
-        return
+        return 0
+
+    def save_state():
+        """Every rank calls this (it gathers their RNG states); rank 0 writes."""
+        rng_cpu = all_gather(torch.get_rng_state())
+        rng_cuda = all_gather(torch.cuda.get_rng_state(device)) if device.type == "cuda" else []
+        if env.is_main:
+            save_checkpoint(args.out_dir, {
+                "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "progress": asdict(progress), "config": config, "model_config": model_config,
+                "world_size": env.world_size, "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}, args.keep_checkpoints)
 
     # ------------------------------------------------------------------ training loop
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
@@ -228,77 +241,96 @@ def run(args, env, amp_dtype) -> None:
         write_json(os.path.join(args.out_dir, "config.json"), config)
         # Keep the metrics of the epochs the checkpoint holds; later ones will be trained again.
         lines = open(metrics_path).readlines() if os.path.exists(metrics_path) else []
-        write_text(metrics_path, "".join(l for l in lines if json.loads(l)["epoch"] <= start_epoch))
-    metrics = history[-1] if history else {}
-    epoch = start_epoch
-    for epoch in range(start_epoch + 1, args.epochs + 1):
-        if stopped_early:
+        write_text(metrics_path, "".join(ln for ln in lines if json.loads(ln)["epoch"] <= progress.epoch))
+    stop = StopRequest()
+    allow_nonfinite = scaler.is_enabled()  # fp16: the scaler skips those steps and lowers its scale
+    for epoch in range(progress.epoch + 1, args.epochs + 1):
+        if progress.stopped_early:
             break
-        train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        t0 = time.perf_counter()
-        loss_sum, count = train_one_epoch(model, train_loader, normalize, optimizer, scheduler, scaler,
-                                          loss_fn, device, amp_dtype)
+        # A new shuffle each epoch, the same on every rank; after a mid-epoch resume, only the rest.
+        train_loader.sampler.set_epoch(epoch, start=progress.step * args.batch_size)
+        model.train()
+        # loss * n over finite losses, their n, and all n; a resumed epoch's sums so far sit on rank 0.
+        sums = torch.tensor(progress.sums if env.is_main else [0.0] * 3, dtype=torch.float64, device=device)
+        t0 = time.perf_counter() - progress.elapsed_s
+        for step, (images, labels) in enumerate(train_loader, start=progress.step + 1):
+            loss = train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, amp_dtype)
+            finite = torch.isfinite(loss)
+            sums += torch.stack([torch.where(finite, loss.double(), 0.0), finite.double(),
+                                 torch.ones((), dtype=torch.float64, device=device)]) * labels.numel()
+            checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
+            if step % STOP_CHECK_EVERY == 0 or checkpoint_due:
+                stopping = stop.check(device, sums[1] < sums[2], allow_nonfinite)  # all ranks agree
+                if stopping or checkpoint_due:
+                    progress.step, progress.elapsed_s = step, time.perf_counter() - t0
+                    progress.sums = all_reduce_sum(sums.clone()).tolist()
+                    save_state()
+                if stopping:
+                    log(f"Stop requested ({stop.signal or 'on another rank'}) in epoch {epoch} after step {step}: "
+                        f"checkpoint saved in {args.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
+                    return EXIT_STOPPED
         # Summing over ranks waits for the slowest, like the seed's barrier, so the time is honest.
-        loss_sum, count = all_reduce_sum(torch.stack([loss_sum, count])).tolist()
+        loss_sum, n_finite, count = all_reduce_sum(sums).tolist()
         epoch_time = time.perf_counter() - t0
-        total_time += epoch_time
-        total_images += int(count)
-        metrics = {"epoch": epoch, "train_loss": loss_sum / count,
+        stopping = stop.check(device, torch.tensor(n_finite < count), allow_nonfinite)
+        metrics = {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1),
                    **evaluate(model, test_loader, normalize, device, amp_dtype, n_test),
                    "lr": scheduler.get_last_lr()[0], "epoch_time_s": epoch_time, "images_per_s": count / epoch_time}
         log(f"Epoch {epoch}/{args.epochs} completed in {epoch_time:.3f} seconds")
         log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
         log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
         log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
+        if n_finite < count:
+            log(f"warning: {int(count - n_finite)} samples had a non-finite fp16 loss; the scaler skipped their steps")
 
         # Every rank sees the same all-reduced accuracy, so all of them stop at the same epoch.
-        history.append(metrics)
-        recent = [m["val_acc"] for m in history[-args.patience:]]
-        stopped_early = len(recent) == args.patience and min(recent) >= args.target_accuracy
-        rng_cpu = all_gather(torch.get_rng_state())
-        rng_cuda = all_gather(torch.cuda.get_rng_state(device)) if device.type == "cuda" else []
+        progress.history.append(metrics)
+        recent = [m["val_acc"] for m in progress.history[-args.patience:]]
+        progress.stopped_early = len(recent) == args.patience and min(recent) >= args.target_accuracy
+        progress.epoch, progress.step, progress.sums, progress.elapsed_s = epoch, 0, [0.0] * 3, 0.0
+        progress.total_time_s += epoch_time
+        progress.total_images += int(count)
+        save_state()
         if env.is_main:
-            save_checkpoint(ckpt_path, {
-                "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                "epoch": epoch, "val_history": history, "stopped_early": stopped_early,
-                "total_time_s": total_time, "total_images": total_images,
-                "config": config, "model_config": model_config, "world_size": env.world_size,
-                "rng_cpu": rng_cpu, "rng_cuda": rng_cuda})
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        if stopped_early:
+        if progress.stopped_early:
             log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
+        elif stopping and epoch < args.epochs:
+            log(f"Stop requested ({stop.signal or 'on another rank'}) after epoch {epoch}: checkpoint saved; "
+                f"exiting with status {EXIT_STOPPED} to be resumed.")
+            return EXIT_STOPPED
         elif epoch == args.stop_after_epoch and epoch < args.epochs:
             log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
             break
 
     # ------------------------------------------------------------------ summary
-    epochs_done = history[-1]["epoch"] if history else 0
+    history = progress.history
     summary = {
-        "total_time_s": total_time, "images_per_s": total_images / total_time if total_time else 0.0,
-        "world_size": env.world_size, "nodes": nodes, "gpus_per_node": env.local_world_size,
-        "device": device.type, "hosts": sorted(set(hosts)), "epochs_completed": epochs_done,
-        "finished": stopped_early or epochs_done >= args.epochs, "stopped_early": stopped_early,
-        "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
-        "final_val_acc": metrics.get("val_acc", 0.0), "n_train": n_train, "n_test": n_test,
+        "total_time_s": progress.total_time_s, "world_size": env.world_size, "nodes": nodes,
+        "images_per_s": progress.total_images / progress.total_time_s if progress.total_time_s else 0.0,
+        "gpus_per_node": env.local_world_size, "device": device.type, "hosts": sorted(set(hosts)),
+        "epochs_completed": progress.epoch, "finished": progress.stopped_early or progress.epoch >= args.epochs,
+        "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
+        "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
         "config": config,
     }
     if env.is_main:
         write_json(os.path.join(args.out_dir, "summary.json"), summary)
     log("\nTraining Summary:")
-    log(f"Total training time: {total_time:.3f} seconds")
+    log(f"Total training time: {progress.total_time_s:.3f} seconds")
     log(f"Throughput: {summary['images_per_s']:.3f} images/second")
     log(f"Number of nodes: {nodes}")
     log(f"Number of GPUs per node: {env.local_world_size}")
     log(f"Total GPUs used: {env.world_size}")
     log("Training completed successfully." if summary["finished"] else
-        f"Training paused after epoch {epochs_done} of {args.epochs}; run again to resume.")
+        f"Training paused after epoch {progress.epoch} of {args.epochs}; run again to resume.")
+    return 0
 
 
 if __name__ == "__main__":
     try:
-        main(get_args_parser().parse_args())
+        sys.exit(main(get_args_parser().parse_args()))
     except UserError as e:
         log(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -3,9 +3,11 @@ import datetime
 import json
 import math
 import os
+import signal
 import socket
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,12 +37,35 @@ class DistEnv:
 
 
 def read_dist_env() -> DistEnv:
-    """Rank and world size from torchrun's environment, or a single process under plain python."""
+    """Rank and world size from torchrun's environment, from Slurm's under `srun python
+    train_ddp.py` (one task per GPU, no torchrun), or a single process under plain python."""
     env = os.environ
+    if "RANK" not in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        adopt_slurm_env()
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
                        int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     return DistEnv()
+
+
+def adopt_slurm_env() -> None:
+    """Translate an srun step's variables into torchrun's, so init_process_group("env://") works.
+    The master is the allocation's first node; the port is derived from the job id, so that two
+    jobs sharing a node do not collide."""
+    env = os.environ
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+    if "MASTER_ADDR" not in env:
+        import subprocess
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+            env["MASTER_ADDR"] = out[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def pick_device(requested: str, local_rank: int) -> torch.device:
@@ -96,6 +121,48 @@ def catch_user_error(fn, *args, **kwargs):
         return None, str(e)
 
 
+# ----------------------------------------------------------------------------- stopping on request
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run again (requeue) to resume
+
+
+class StopRequest:
+    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), or by the
+    file named in $DDP_STOP_FILE (which the job scripts create when their shell is signalled, as
+    that reaches every rank on every node, in a container too). Ranks agree in `check`."""
+
+    def __init__(self):
+        self.signal = None
+        self.stop_file = os.environ.get("DDP_STOP_FILE")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+    def requested_here(self) -> bool:
+        if self.signal is None and self.stop_file and os.path.exists(self.stop_file):
+            self.signal = f"stop file {self.stop_file}"
+        return self.signal is not None
+
+    def check(self, device, nonfinite: torch.Tensor, allow_nonfinite: bool) -> bool:
+        """One small all-reduce: True if any rank was asked to stop. Raises if any rank saw a
+        non-finite loss that the fp16 grad scaler was not there to skip."""
+        flags = torch.stack([torch.tensor(float(self.requested_here()), device=device),
+                             nonfinite.to(device=device, dtype=torch.float32)])
+        stop, bad = all_reduce_max(flags).tolist()
+        if bad and not allow_nonfinite:
+            raise UserError("the training loss became NaN or infinite; nothing was saved since the last good "
+                            "checkpoint: lower --base-lr, raise --warmup-epochs, or use --amp off")
+        return bool(stop)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 # ----------------------------------------------------------------------------- output and seeding
 
 _IS_MAIN = int(os.environ.get("RANK", "0")) == 0
@@ -124,7 +191,7 @@ def write_text(path: str, text: str) -> None:
     _atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def _atomic_write(path: str, write) -> None:
+def _atomic_write(path: str, write, before_replace=None) -> None:
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
@@ -133,9 +200,12 @@ def _atomic_write(path: str, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace:
+            before_replace()
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
     except BaseException:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
 
 
@@ -210,10 +280,35 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
-def save_checkpoint(path: str, state: dict) -> None:
-    """Rank 0 writes a temporary file and renames it over the old checkpoint: a crash mid-write
-    leaves the previous checkpoint intact."""
-    _atomic_write(path, lambda f: torch.save(state, f))
+def checkpoint_paths(out_dir: str, keep: int) -> list:
+    """checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on."""
+    return [os.path.join(out_dir, "checkpoint.pt")] + [
+        os.path.join(out_dir, f"checkpoint.{i}.pt") for i in range(1, keep)]
+
+
+def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
+    """Write the new checkpoint in full to a temporary file, then shift the older ones down and
+    rename it into place. A crash at any point leaves the previous checkpoints loadable."""
+    paths = checkpoint_paths(out_dir, keep)
+
+    def shift_older():
+        for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
+            if os.path.exists(newer):
+                os.replace(newer, older)
+    _atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
+
+
+@dataclass
+class Progress:
+    """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
+    epoch: int = 0              # epochs completed
+    step: int = 0               # steps completed of epoch + 1
+    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
+    elapsed_s: float = 0.0      # that epoch's training time so far
+    history: list = field(default_factory=list)  # one metrics dict per completed epoch
+    total_time_s: float = 0.0
+    total_images: int = 0
+    stopped_early: bool = False
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
@@ -221,8 +316,31 @@ def load_checkpoint(path: str, device: torch.device) -> dict:
         # weights_only: a checkpoint is data, never code; this refuses pickled objects.
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
-        raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                        f"move it away to start afresh") from None
+        raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
+    """The newest checkpoint that loads, and its path; (None, None) if there is none. Unreadable
+    ones (truncated, corrupt, or holding pickled code) are skipped with a warning, and if none can
+    be read the run refuses to start rather than overwrite them."""
+    problems = []
+    for path in checkpoint_paths(out_dir, max(keep, 10)):
+        if not os.path.exists(path):
+            continue
+        try:
+            ckpt = load_checkpoint(path, device)
+            if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
+                raise UserError(f"{path} is not a checkpoint of this script")
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        for p in problems:
+            log(f"warning: {p}; using the older {path}", file=sys.stderr)
+        return ckpt, path
+    if problems:
+        raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move the checkpoint files "
+                        f"away to start afresh")
+    return None, None
 
 
 def describe_model(cfg: dict) -> str:

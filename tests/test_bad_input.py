@@ -95,5 +95,5 @@ def test_corrupt_checkpoint_is_refused_not_overwritten(tmp_path):
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"garbage")
     proc = launch([*SMALL, "--out-dir", out], torchrun=False, check=False)
-    assert_refused(proc, "checkpoint.pt cannot be loaded")
+    assert_refused(proc, f"no usable checkpoint in {out}: {out / 'checkpoint.pt'} cannot be loaded")
     assert (out / "checkpoint.pt").read_bytes() == b"garbage"

@@ -1,10 +1,8 @@
 """The real CIFAR-100 loading code on generated archives in the official format, and the loaders."""
 import collections
-import io
 import os
 import pickle
 
-import numpy as np
 import pytest
 import torch
 

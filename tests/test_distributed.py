@@ -1,6 +1,5 @@
 """The properties users care about, on CPU with several processes launched by torchrun."""
 import json
-import os
 import re
 
 import pytest
@@ -70,7 +69,7 @@ def test_resume_is_exact(tmp_path, learnable_dir):
     assert "Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout and "Epoch 2/2" in second.stdout
 
     a, b = load_model_state(straight), load_model_state(resumed)
-    assert a["epoch"] == b["epoch"] == 2
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 2
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):

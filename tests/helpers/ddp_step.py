@@ -1,4 +1,4 @@
-"""Launched by torchrun: one optimizer step of train_ddp.train_one_epoch on one global batch.
+"""Launched by torchrun: one train_ddp.train_step on one global batch.
 
 Usage: ddp_step.py OUT_FILE GLOBAL_BATCH
 BatchNorm stays in eval mode (running statistics), so per-rank batch statistics play no part:
@@ -26,8 +26,7 @@ seed_everything(0)
 model = train_ddp.build_model(args)
 for m in model.modules():
     if isinstance(m, torch.nn.BatchNorm2d):
-        m.eval()
-        m.train = lambda mode=True, m=m: m  # stays in eval mode through model.train()
+        m.eval()  # train_step leaves the mode to its caller
 if env.world_size > 1:
     model = DDP(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
@@ -35,9 +34,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
 loader.sampler.set_epoch(1)
-_, count = train_ddp.train_one_epoch(model, loader, normalize, optimizer, scheduler, scaler,
-                                     torch.nn.CrossEntropyLoss(), torch.device("cpu"), None)
-assert int(count) == batch // env.world_size, "one step of one global batch"
+images, labels = next(iter(loader))
+assert len(labels) == batch // env.world_size, "one step of one global batch"
+train_ddp.train_step(model, images, labels, normalize, optimizer, scheduler, scaler,
+                     torch.nn.CrossEntropyLoss(), None)
 if env.is_main:
     torch.save(unwrap(model).state_dict(), out)
 if env.world_size > 1:
