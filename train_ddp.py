@@ -12,9 +12,11 @@ The recipe reads top to bottom: setup, data, model, resume, training loop, summa
 The places marked ADAPT are where you plug in your own data and model.
 """
 import argparse
+import faulthandler
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -27,7 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dataset_utils
 from model import WideResNet, check_depth
 from train_utils import (EXIT_STOPPED, Progress, StopRequest, UserError, agree_on_error, all_gather,
-                         all_reduce_sum, catch_user_error, check_writable, describe_model, evaluate, host_name,
+                         all_reduce_sum, catch_user_error, check_writable, describe_model, describe_timeout,
+                         evaluate, host_name,
                          init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env,
                          save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
 
@@ -202,6 +205,10 @@ def run(args, env, amp_dtype) -> int:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt["config"]["lr"] != lr:  # keep the schedule's position; take this run's peak LR
+            scheduler.base_lrs = [lr]
+            optimizer.param_groups[0]["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
+            log(f"note: the peak LR changed from {ckpt['config']['lr']:.4g} to {lr:.4g} on resume")
         scaler.load_state_dict(ckpt["scaler"])
         progress = Progress(**ckpt["progress"])
         if ckpt["world_size"] == env.world_size:  # else the seed above serves as well as any
@@ -329,8 +336,15 @@ def run(args, env, amp_dtype) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
+    args = get_args_parser().parse_args()
     try:
-        sys.exit(main(get_args_parser().parse_args()))
+        sys.exit(main(args))
     except UserError as e:
         log(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:  # a hung or dead peer: say so on every rank, not after a wall of C++ frames
+        if (why := describe_timeout(e, args.timeout)) is None:
+            raise
+        print(f"error: rank {os.environ.get('RANK', 0)}: {why}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -86,8 +86,25 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
     backend = "nccl" if env.device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=env.device if backend == "nccl" else None)
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=env.device if backend == "nccl" else None)
+    except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise UserError(
+            f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
+            f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
+            f"check that every node started and can reach that address, or raise --timeout") from None
+
+
+def describe_timeout(e: Exception, timeout_s: float) -> str | None:
+    """A one-line explanation if `e` is a collective that timed out (a hung or dead peer), else None."""
+    text = str(e)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return None
+    return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
+            f"(send it SIGUSR2 to see where it is stuck); {text.splitlines()[0][:300]}")
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
@@ -152,8 +169,8 @@ class StopRequest:
                              nonfinite.to(device=device, dtype=torch.float32)])
         stop, bad = all_reduce_max(flags).tolist()
         if bad and not allow_nonfinite:
-            raise UserError("the training loss became NaN or infinite; nothing was saved since the last good "
-                            "checkpoint: lower --base-lr, raise --warmup-epochs, or use --amp off")
+            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
+                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
         return bool(stop)
 
 

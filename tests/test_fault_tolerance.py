@@ -1,0 +1,204 @@
+"""Fault injection: a killed rank, a stop request, corrupt checkpoints, another world size, a hung
+peer, a non-finite loss and a malicious checkpoint. Each loses at most the work since the last
+checkpoint, and the resumed runs end with exactly the weights of an uninterrupted run."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, TORCHRUN, launch, load_model_state, read_json, read_jsonl
+from dataset_utils import EpochSampler
+from train_utils import UserError, load_latest_checkpoint
+
+# 640 samples / 32 = 20 steps per epoch; dropout and a worker so RNG and loader state matter.
+RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 2,
+       "--dropout", 0.1, *TINY, "--workers", 1, "--checkpoint-every", 4]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every faulty run must match."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    launch([*RUN, "--out-dir", out], nproc=2)
+    return load_model_state(out)
+
+
+def assert_same_weights(out_dir, reference):
+    got = load_model_state(out_dir)
+    assert got["progress"]["epoch"] == reference["progress"]["epoch"]
+    for k, v in reference["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["scheduler"]["last_epoch"] == reference["scheduler"]["last_epoch"]
+
+
+def start(args, nproc=2, extra=(), env=None):
+    """torchrun in the background, its output in a file; returns (process, log path)."""
+    log = os.path.join(str(args[args.index("--out-dir") + 1]) + ".log")
+    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, os.path.join(ROOT, "train_ddp.py")]
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return proc, log
+
+
+def wait_for(predicate, timeout=120, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def workers_of(proc):
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in out)
+
+
+def text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_killed_rank_restarts_and_ends_with_identical_weights(tmp_path, reference):
+    out = tmp_path / "run"
+    proc, log = start([*RUN, "--out-dir", out], extra=["--max-restarts=3"])
+    wait_for(lambda: (out / "checkpoint.pt").exists(), what="the first checkpoint")
+    killed_at = time.time()
+    os.kill(workers_of(proc)[-1], signal.SIGKILL)  # kill -9 one rank mid-epoch
+    assert proc.wait(timeout=300) == 0, text(log)
+    output = text(log)
+    assert "Resumed from" in output, "the restarted ranks must resume from the checkpoint"
+    assert "Training completed successfully." in output
+    assert_same_weights(out, reference)
+    assert time.time() - killed_at < 120
+
+
+def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, reference):
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    proc, log = start([*RUN, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
+    wait_for(lambda: "Global batch" in text(log), what="training to start")
+    time.sleep(1.0)
+    stop_file.touch()  # what the job scripts do when Slurm signals them
+    assert proc.wait(timeout=120) != 0  # the ranks exit 75; torchrun reports the failure
+    output = text(log)
+    assert "Stop requested (stop file" in output and "exiting with status 75" in output
+    ckpt = load_model_state(out)
+    stopped_at = (ckpt["progress"]["epoch"], ckpt["progress"]["step"])
+    assert stopped_at < (2, 0), "stopped before the end"
+    stop_file.unlink()
+    second = launch([*RUN, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
+    assert "Resumed from" in second.stdout
+    assert_same_weights(out, reference)
+    assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, reference):
+    out = tmp_path / "run"
+    launch([*RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
+    latest, previous = out / "checkpoint.pt", out / "checkpoint.1.pt"
+    assert load_model_state(out)["progress"]["epoch"] == 1
+    data = latest.read_bytes()
+    latest.write_bytes(data[: len(data) // 2])  # truncated, as by a full disk
+    (out / ".checkpoint.pt.x1y2.tmp").write_bytes(data[:1000])  # a write killed halfway
+    second = launch([*RUN, "--out-dir", out], nproc=2)
+    assert "cannot be loaded" in second.stderr and f"using the older {previous}" in second.stderr
+    assert "Resumed from" in second.stdout and "steps of the next" in second.stdout  # the mid-epoch one
+    assert_same_weights(out, reference)
+    kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint"))
+    assert kept == ["checkpoint.1.pt", "checkpoint.pt"]  # --keep-checkpoints 2
+
+
+def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
+    run = [a if a != 32 else 48 for a in RUN]  # 48 divides by 2 and by 3
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    proc, log = start([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
+    wait_for(lambda: "Global batch" in text(log), what="training to start")
+    time.sleep(1.0)
+    stop_file.touch()
+    proc.wait(timeout=120)
+    before = load_model_state(out)["progress"]
+    assert (before["epoch"], before["step"]) < (2, 0)
+    stop_file.unlink()
+    second = launch([*run, "--out-dir", out], nproc=3)
+    assert "Global batch 48 = 3 ranks x 16" in second.stdout
+    ckpt = load_model_state(out)
+    assert ckpt["scheduler"]["last_epoch"] == 2 * 14  # ceil(640 / 48) steps per epoch, on any world size
+    assert read_json(out / "summary.json")["finished"] is True
+
+
+@pytest.mark.parametrize("first,second", [(2, 3), (3, 2), (4, 1)])
+def test_sampler_resumed_on_another_world_size_sees_the_rest_of_the_epoch(first, second):
+    n, batch, done_steps = 600, 48, 5
+    seen = []
+    for ws, start in ((first, 0), (second, done_steps * batch)):
+        for rank in range(ws):
+            s = EpochSampler(range(n), num_replicas=ws, rank=rank, seed=3)
+            s.set_epoch(7, start=start)
+            shard = [i for _, i in s]
+            seen += shard[: done_steps * batch // ws] if start == 0 else shard
+    assert sorted(seen) == list(range(n))  # the first ranks' steps, then everything else, once
+
+
+def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_path):
+    out = tmp_path / "run"
+    args = [*RUN, "--out-dir", out, "--timeout", 8, "--epochs", 20]
+    proc, log = start(args)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), what="training to start")
+    hung = workers_of(proc)[-1]
+    os.kill(hung, signal.SIGUSR2)
+    wait_for(lambda: "most recent call first" in text(log), timeout=30, what="the stack dump")
+    os.kill(hung, signal.SIGSTOP)  # a hung peer: alive, but never answers
+    stopped_at = time.time()
+    try:
+        wait_for(lambda: "timed out" in text(log), timeout=60, what="the timeout message")
+        waited = time.time() - stopped_at
+    finally:
+        os.kill(hung, signal.SIGKILL)
+        proc.wait(timeout=60)
+    output = text(log)
+    assert "train_ddp.py\", line" in output  # the SIGUSR2 dump shows where the rank was
+    assert "error: rank 0: a collective operation timed out after 8 s: another rank is hung or dead" in output
+    assert waited < 30, f"took {waited:.0f} s, not about --timeout"
+
+
+def test_rendezvous_timeout_names_what_timed_out(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}  # rank 1 never comes
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_ddp.py"), "--dataset", "synthetic",
+                           "--timeout", "4", "--out-dir", str(tmp_path / "run")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and time.time() - t0 < 60
+    assert f"timed out after 4 s in init_process_group waiting for all 2 ranks at 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
+    out = tmp_path / "run"
+    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32, "--epochs", 2,
+            "--out-dir", out, *TINY]
+    launch([*base, "--stop-after-epoch", 1], torchrun=False)
+    good = (out / "checkpoint.pt").read_bytes()
+    proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: the training loss became NaN or infinite" in proc.stderr
+    assert (out / "checkpoint.pt").read_bytes() == good
+
+
+def test_checkpoint_holding_pickled_code_is_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
+    torch.save({"model": {}, "progress": Payload()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(UserError, match="no usable checkpoint.*cannot be loaded"):
+        load_latest_checkpoint(str(tmp_path), torch.device("cpu"), keep=2)
+    assert not (tmp_path / "owned").exists()
