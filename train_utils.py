@@ -365,4 +365,5 @@ def describe_model(cfg: dict) -> str:
 
 
 def host_name() -> str:
-    return socket.gethostname()
+    """The node's name: Slurm's when under Slurm (several slurmd may share one test host)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()

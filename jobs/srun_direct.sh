@@ -1,0 +1,30 @@
+#!/bin/bash
+# No torchrun: srun starts one task per GPU, and train_ddp.py reads its rank, local rank and world
+# size from SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS, and the master from the
+# allocation. Works on one node or several.
+#
+#   sbatch jobs/srun_direct.sh
+#   sbatch --nodes=2 jobs/srun_direct.sh --epochs 30
+#SBATCH --job-name=wrn_srun
+#SBATCH --output=srun_%j.out
+#SBATCH --error=srun_%j.err
+#SBATCH --time=01:00:00
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=8
+#SBATCH --mem=128G
+#SBATCH --signal=B:USR1@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
+##SBATCH --account=<project>
+##SBATCH --partition=<gpu partition>
+
+set -uo pipefail
+# shellcheck source=jobs/lib.sh
+source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
+job_summary
+
+# Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
+# each task to one GPU by default, which would leave every rank asking for GPU local_rank).
+run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" python train_ddp.py "$@"
