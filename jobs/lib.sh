@@ -2,7 +2,7 @@
 #   job_summary      what Slurm granted, printed at the start of the log
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
 #   run_requeueable  run the training, turn Slurm's warning signal into a checkpoint, and requeue
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # LAUNCH is used by the scripts that source this file
 
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 DATA_DIR=${DATA_DIR:-$PROJECT_DIR/datasets}
@@ -20,7 +20,6 @@ job_summary() {
 }
 
 # Apptainer: --nv exposes the GPUs; bind the project and the data so both are visible inside.
-# shellcheck disable=SC2034  # used by the job scripts that source this file
 LAUNCH=()
 if [[ -n "${CONTAINER:-}" ]]; then
     binds="$PROJECT_DIR"
