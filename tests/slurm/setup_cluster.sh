@@ -100,7 +100,19 @@ for n in "${NODES[@]}"; do
     rm -rf "/var/spool/slurmd-$n"
     install -d -m 0755 "/var/spool/slurmd-$n"
     install -d -m 0755 "$FAKE_GPU_DIR/$n"
-    touch "$FAKE_GPU_DIR/$n/gpu0" "$FAKE_GPU_DIR/$n/gpu1"
+    for g in 0 1; do
+        # Placeholder "GPU" device. slurmd only accepts character/block devices
+        # in gres.conf File= (with a plain file it logs "not a valid character
+        # or block device" and, while still counting the GPUs, sets neither
+        # CUDA_VISIBLE_DEVICES nor SLURM_JOB_GPUS). Use a char node with the
+        # NVIDIA major number (195); nothing behind it, never opened. Fall
+        # back to an empty file where mknod is not permitted.
+        f="$FAKE_GPU_DIR/$n/gpu$g"
+        if [[ ! -c $f ]]; then
+            rm -f "$f"
+            mknod "$f" c 195 "$g" 2>/dev/null || touch "$f"
+        fi
+    done
 done
 
 # ---------------------------------------------------------------- slurm.conf
@@ -114,9 +126,12 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# Requeued jobs are held until the job credential expires (default 120 s);
-# shorten that so requeued jobs restart within a few seconds.
+# A requeued job gets BeginTime = requeue time + cred_expire + 1 s (default
+# cred_expire is 120 s); 5 s is the minimum. Even after BeginTime passes, the
+# job only starts on the next periodic scheduling pass (defaults: backfill
+# every 30 s, full pass every 60 s), so run those passes every 2 s.
 AuthInfo=cred_expire=5
+SchedulerParameters=bf_interval=2,sched_interval=2
 StateSaveLocation=${STATE_DIR}
 SlurmdSpoolDir=/var/spool/slurmd-%n
 SlurmctldPidFile=/run/slurmctld.pid
@@ -140,7 +155,8 @@ SelectTypeParameters=CR_CPU
 GresTypes=gpu
 JobRequeue=1
 ReturnToService=2
-MinJobAge=10
+# Keep finished jobs visible to scontrol for 5 min (no accounting/sacct here).
+MinJobAge=300
 KillWait=5
 InactiveLimit=0
 SlurmctldTimeout=30
@@ -186,7 +202,7 @@ dump_logs() {
 
 deadline=$((SECONDS + WAIT_SECS))
 while true; do
-    states=$(sinfo -h -N -o '%n %t' 2>/dev/null | sort -u || true)
+    states=$(sinfo -h -N -o '%N %t' 2>/dev/null | sort -u || true)
     idle=$(grep -cE '^node[12] idle$' <<<"$states" || true)
     if [[ $idle -eq 2 ]]; then
         break
