@@ -28,6 +28,8 @@ def slurm():
     if not shutil.which("sbatch") and not shutil.which("apt-get"):
         pytest.skip("no Slurm here, and no apt-get to install it")
     proc = subprocess.run(["bash", SETUP], capture_output=True, text=True, timeout=1200)
+    if proc.returncode == 3:  # a real cluster's slurm.conf is here: leave it alone
+        pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, f"local Slurm cluster failed to start:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
