@@ -149,15 +149,36 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
 
 # ----------------------------------------------------------------------------- augmentation and loaders
 
-def _mix64(*keys: int) -> int:
-    """splitmix64 over a few integers: a fast, well-mixed hash for per-sample randomness."""
-    mask = (1 << 64) - 1
-    h = 0x9E3779B97F4A7C15
-    for k in keys:
-        h = (h ^ (k & mask)) * 0xBF58476D1CE4E5B9 & mask
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & mask
-        h ^= h >> 29
+_M64 = (1 << 64) - 1
+_C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >> 63 else c
+
+
+def mix64(seed: int, epoch: int, idx):
+    """splitmix64 of (seed, epoch, index): a well-mixed 64-bit hash that gives each sample its own
+    random crop and flip. `idx` is a Python int (the CPU workers) or an int64 tensor (the device
+    loader): both compute the same bits, so both loaders augment every sample identically."""
+    if isinstance(idx, torch.Tensor):  # int64 wraps like uint64; mask arithmetic shifts into logical ones
+        mul = lambda h, c: h * _signed(c)  # noqa: E731
+        shr = lambda h, s: (h >> s) & ((1 << (64 - s)) - 1)  # noqa: E731
+        h = torch.full_like(idx, _signed(_C0))
+    else:
+        mul = lambda h, c: (h * c) & _M64  # noqa: E731
+        shr = lambda h, s: h >> s  # noqa: E731
+        h = _C0
+    for k in (seed, epoch, idx):
+        h = mul(h ^ k, _C1)
+        h = mul(h ^ shr(h, 31), _C2)
+        h = h ^ shr(h, 29)
     return h
+
+
+def crop_params(h):
+    """Crop offsets (0..8 in the 40x40 padded image) and flip (0/1) from a hash, int or tensor."""
+    return (h & 0xFFFF) % 9, ((h >> 16) & 0xFFFF) % 9, (h >> 32) & 1
 
 
 class CIFARDataset(Dataset):
@@ -177,8 +198,7 @@ class CIFARDataset(Dataset):
         if not self.augment:
             return self.images[key], self.labels[key]
         epoch, idx = key
-        h = _mix64(self.seed, epoch, idx)
-        dx, dy, flip = h % 9, (h // 9) % 9, (h // 81) % 2  # 9 x 9 offsets x 2 flips
+        dx, dy, flip = crop_params(mix64(self.seed, epoch, idx))  # 9 x 9 offsets x 2 flips
         img = self.images[idx, :, dy:dy + 32, dx:dx + 32]
         return (img.flip(-1) if flip else img), self.labels[idx]
 
@@ -214,19 +234,70 @@ class EpochSampler(DistributedSampler):
 
 
 def build_loaders(train: ImageData, test: ImageData, per_rank_batch: int, rank: int, world_size: int,
-                  seed: int, workers: int, pin_memory: bool):
+                  seed: int, workers: int, pin_memory: bool, device=None):
     """The training loader (shuffled, sharded, set_epoch each epoch) and the test loader
-    (sharded without padding or dropping: every test image is scored exactly once)."""
+    (sharded without padding or dropping: every test image is scored exactly once).
+    With `device`, both are DeviceLoaders over data held on that device; else DataLoaders."""
+    sampler = EpochSampler(train.labels, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    test_shard = range(rank, len(test.labels), world_size)
+    if device is not None:
+        return (DeviceLoader(train, per_rank_batch, device, sampler=sampler, seed=seed),
+                DeviceLoader(test, per_rank_batch, device, indices=test_shard))
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
     # it starts an epoch, which would make dropout depend on whether the run was resumed.
     common = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0)
-    sampler = EpochSampler(train.labels, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
     train_loader = DataLoader(CIFARDataset(train, augment=True, seed=seed), batch_size=per_rank_batch,
                               sampler=sampler, generator=torch.Generator().manual_seed(seed), **common)
     test_loader = DataLoader(CIFARDataset(test), batch_size=per_rank_batch,
-                             sampler=range(rank, len(test.labels), world_size),
+                             sampler=test_shard,
                              generator=torch.Generator().manual_seed(seed), **common)
     return train_loader, test_loader
+
+
+def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Batched random crop and flip, as tensor ops on the device: gather the images `idx` of the
+    padded (N, 3, 40, 40) uint8 tensor, then their rows and (possibly mirrored) columns."""
+    dx, dy, flip = crop_params(h)
+    ar = torch.arange(32, device=padded.device)
+    rows = dy[:, None] + ar
+    cols = dx[:, None] + torch.where(flip[:, None].bool(), 31 - ar, ar)
+    x = padded[idx]
+    b, c = x.shape[:2]
+    x = x.gather(2, rows[:, None, :, None].expand(b, c, 32, x.shape[3]))
+    return x.gather(3, cols[:, None, None, :].expand(b, c, 32, 32))
+
+
+class DeviceLoader:
+    """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB), and each batch is
+    gathered and augmented there with tensor ops: no CPU workers, no host-to-device copies.
+    Batches hold the same samples as the torch loader's (the same EpochSampler) with the same
+    crops and flips (the same hash). For data that does not fit on the device, use --loader torch."""
+
+    def __init__(self, data: ImageData, batch_size: int, device, sampler=None, indices=None, seed: int = 0):
+        self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
+        augment = sampler is not None
+        images = torch.nn.functional.pad(data.images, (PAD,) * 4) if augment else data.images
+        self.images, self.labels = images.to(device), data.labels.to(device)
+        self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.int64, device=device)
+
+    def _order(self) -> torch.Tensor:
+        if self.sampler is None:
+            return self.indices
+        return torch.tensor([i for _, i in self.sampler], dtype=torch.int64, device=self.images.device)
+
+    def __len__(self):
+        n = len(self.sampler) if self.sampler is not None else len(self.indices)
+        return -(-n // self.batch_size)
+
+    def __iter__(self):
+        order = self._order()
+        h = mix64(self.seed, self.sampler.epoch, order) if self.sampler is not None else None
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            if h is None:
+                yield self.images[idx], self.labels[idx]
+            else:
+                yield crop_flip_batch(self.images, idx, h[start:start + self.batch_size]), self.labels[idx]
 
 
 class Normalize(torch.nn.Module):

@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
-from model import WideResNet, check_depth
-from train_utils import (EXIT_STOPPED, Progress, StopRequest, UserError, agree_on_error, all_gather,
+from model import WideResNet
+from train_utils import (EXIT_STOPPED, Progress, StopRequest, UserError, agree_on_error, all_gather, check_args,
                          all_reduce_sum, catch_user_error, check_writable, describe_model, describe_timeout,
                          evaluate, host_name,
-                         init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env,
+                         init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env, resolve_amp,
                          save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
@@ -55,7 +55,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
     p.add_argument("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
     p.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
-    p.add_argument("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: the rank's share of the CPUs, at most 8)")
+    p.add_argument("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data on the device, augmented there; torch: DataLoader with CPU workers; auto: gpu on CUDA")
+    p.add_argument("--workers", type=int, default=-1, help="DataLoader workers per rank with --loader torch (-1: the rank's share of the CPUs, at most 8)")
     # Optimisation.
     p.add_argument("--reference-batch-size", type=int, default=512, help="the batch size --base-lr was tuned for")
     p.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="how the LR grows with batch-size / reference-batch-size")
@@ -75,39 +76,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep, newest first")
     p.add_argument("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, checkpointed, to resume in a later job (0: never)")
     p.add_argument("--evaluate", action="store_true", help="evaluate the checkpoint in --out-dir on the test set and exit")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     return p
-
-
-def check_args(args, world_size: int) -> None:
-    """Reject bad input before any work, with one line that says what to change."""
-    if args.batch_size < 1 or args.batch_size % world_size:
-        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
-                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
-    try:
-        check_depth(args.depth)
-    except ValueError as e:
-        raise UserError(f"--depth: {e}") from None
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
-    if not 0.0 <= args.target_accuracy <= 1.0:
-        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
-        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
-
-
-def resolve_amp(amp: str, device: torch.device):
-    """The autocast dtype, or None for full fp32."""
-    if amp == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
 
 
 def build_model(args) -> nn.Module:
@@ -136,6 +106,7 @@ def main(args) -> int:
     check_args(args, env.world_size)
     env.device = pick_device(args.device, env.local_rank)
     amp_dtype = resolve_amp(args.amp, env.device)
+    torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
     init_distributed(env, args.timeout)
     try:
         return run(args, env, amp_dtype)
@@ -173,18 +144,20 @@ def run(args, env, amp_dtype) -> int:
         dataset_utils.load_split(args.dataset, args.data_dir, True, args.train_size),
         dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size)))
     agree_on_error(err)
+    on_device = args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda")
     train_loader, test_loader = dataset_utils.build_loaders(
         train_data, test_data, per_rank_batch, env.rank, env.world_size, args.seed, workers,
-        pin_memory=device.type == "cuda")
-    normalize = dataset_utils.Normalize(dataset_utils.CIFAR100_MEAN, dataset_utils.CIFAR100_STD, device)
+        pin_memory=device.type == "cuda", device=device if on_device else None)
+    channels_last = device.type == "cuda"  # what cuDNN's fastest convolutions want
+    normalize = dataset_utils.Normalize(dataset_utils.CIFAR100_MEAN, dataset_utils.CIFAR100_STD, device, channels_last)
     n_train, n_test = len(train_data.labels), len(test_data.labels)
 
     # ------------------------------------------------------------------ model and optimiser
     seed_everything(args.seed)  # the same initial weights on every rank
-    model = build_model(args).to(device)
+    model = build_model(args).to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     model_config = {"depth": args.depth, "widen_factor": args.widen_factor, "num_classes": dataset_utils.NUM_CLASSES}
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
-                                weight_decay=args.weight_decay)
+                                weight_decay=args.weight_decay, fused=device.type == "cuda")
     # Steps per epoch from the global batch, so the schedule is the same on any number of ranks.
     steps_per_epoch = math.ceil(n_train / args.batch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -219,8 +192,11 @@ def run(args, env, amp_dtype) -> int:
             + (f", and {progress.step} steps of the next." if progress.step else "."))
     elif args.evaluate:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
-    if env.distributed:
-        model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
+    if env.distributed:  # gradient_as_bucket_view: gradients live in the all-reduce buckets, no copy
+        model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if args.compile:
+        model = torch.compile(model)
 
     if args.evaluate:
         metrics = evaluate(model, test_loader, normalize, device, amp_dtype, n_test)

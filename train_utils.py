@@ -235,6 +235,42 @@ def check_writable(out_dir: str) -> None:
         raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
 
 
+# ----------------------------------------------------------------------------- arguments
+
+def check_args(args, world_size: int) -> None:
+    """Reject bad input before any work, with one line that says what to change."""
+    if args.batch_size < 1 or args.batch_size % world_size:
+        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
+                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
+    try:
+        from model import check_depth
+        check_depth(args.depth)
+    except ValueError as e:
+        raise UserError(f"--depth: {e}") from None
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
+    if not 0.0 <= args.target_accuracy <= 1.0:
+        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
+    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
+        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
+
+
+def resolve_amp(amp: str, device: torch.device):
+    """The autocast dtype, or None for full fp32."""
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
+
+
+
 # ----------------------------------------------------------------------------- learning rate
 
 def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:

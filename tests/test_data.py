@@ -126,3 +126,49 @@ def test_normalize_matches_the_torchvision_transform():
     ours = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))(x)
     ref = v2.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD)(x.float() / 255)
     assert torch.allclose(ours, ref, atol=1e-5)
+
+
+def test_hash_is_the_same_on_ints_and_tensors():
+    import random
+    rng = random.Random(0)
+    keys = [(rng.randrange(1 << 31), rng.randrange(1000), rng.randrange(10 ** 6)) for _ in range(500)]
+    ints = [du.mix64(s, e, i) for s, e, i in keys]
+    tensors = [du.mix64(s, e, torch.tensor([i]))[0].item() for s, e, i in keys]
+    assert [h - (1 << 64) if h >> 63 else h for h in ints] == tensors
+    assert [du.crop_params(h) for h in ints] == [tuple(int(v) for v in du.crop_params(torch.tensor([t])))
+                                                  for t in tensors]
+
+
+@pytest.mark.parametrize("world_size,start", [(1, 0), (3, 0), (2, 64), (3, 96)])
+def test_gpu_and_torch_loaders_yield_identical_batches(world_size, start):
+    g = torch.Generator().manual_seed(0)
+    data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
+    for rank in range(world_size):
+        torch_train, torch_test = du.build_loaders(data, data, 32, rank, world_size, 5, 0, False)
+        dev_train, dev_test = du.build_loaders(data, data, 32, rank, world_size, 5, 0, False, device=torch.device("cpu"))
+        for epoch in (1, 2):
+            torch_train.sampler.set_epoch(epoch, start=start)
+            dev_train.sampler.set_epoch(epoch, start=start)
+            a, b = list(torch_train), list(dev_train)
+            assert len(a) == len(b) == len(dev_train) == len(torch_train)
+            for (xa, ya), (xb, yb) in zip(a, b):
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
+
+
+def test_batched_device_augmentation_reaches_all_162_views_uniformly():
+    g = torch.Generator().manual_seed(1)
+    img = torch.randint(1, 256, (1, 3, 32, 32), generator=g, dtype=torch.uint8)
+    padded = torch.nn.functional.pad(img, (4, 4, 4, 4))
+    views = {}
+    for dy in range(9):
+        for dx in range(9):
+            crop = padded[0, :, dy:dy + 32, dx:dx + 32]
+            views[crop.numpy().tobytes()] = (dy, dx, 0)
+            views[crop.flip(-1).numpy().tobytes()] = (dy, dx, 1)
+    n = 162 * 100
+    idx = torch.zeros(n, dtype=torch.int64)
+    out = du.crop_flip_batch(padded, idx, du.mix64(7, 3, torch.arange(n)))  # n different keys, one image
+    counts = collections.Counter(views[x.numpy().tobytes()] for x in out)
+    assert len(counts) == 162
+    assert sum((c - 100) ** 2 / 100 for c in counts.values()) < 230

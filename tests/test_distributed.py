@@ -123,3 +123,13 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     again = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
                     "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY], nproc=2)
     assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
+
+
+def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path):
+    common = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32, "--epochs", 1,
+              "--dropout", 0.1, *TINY]
+    launch([*common, "--out-dir", tmp_path / "torch", "--loader", "torch", "--workers", 1], nproc=2)
+    launch([*common, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)  # device-resident, here on CPU
+    a, b = load_model_state(tmp_path / "torch"), load_model_state(tmp_path / "gpu")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
