@@ -28,11 +28,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
 from model import WideResNet
-from train_utils import (EXIT_STOPPED, Progress, StopRequest, UserError, agree_on_error, all_gather, check_args,
+from train_utils import (EXIT_STOPPED, Progress, ProgressLog, StopRequest, UserError, agree_on_error, all_gather, check_args,
                          all_reduce_sum, catch_user_error, check_writable, describe_model, describe_timeout,
                          evaluate, host_name,
                          init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env, resolve_amp,
-                         save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
+                         now_iso, open_tensorboard, run_record, save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
 
@@ -72,11 +72,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
     p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 where supported, fp16 on older GPUs, off on CPU")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
+    p.add_argument("--log-every", type=int, default=50, help="progress line every N steps in batch logs (on a terminal: a live line)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep, newest first")
     p.add_argument("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, checkpointed, to resume in a later job (0: never)")
     p.add_argument("--evaluate", action="store_true", help="evaluate the checkpoint in --out-dir on the test set and exit")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    p.add_argument("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard (pip install tensorboard)")
     return p
 
 
@@ -118,7 +120,9 @@ def main(args) -> int:
 def run(args, env, amp_dtype) -> int:
     device = env.device
     # ------------------------------------------------------------------ setup
-    hosts = all_gather(host_name())
+    ranks = all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"})
+    hosts = [r["host"] for r in ranks]
     nodes = len(set(hosts))
     unit = "GPUs" if device.type == "cuda" else "CPU processes"
     per_rank_batch = args.batch_size // env.world_size
@@ -225,7 +229,11 @@ def run(args, env, amp_dtype) -> int:
         # Keep the metrics of the epochs the checkpoint holds; later ones will be trained again.
         lines = open(metrics_path).readlines() if os.path.exists(metrics_path) else []
         write_text(metrics_path, "".join(ln for ln in lines if json.loads(ln)["epoch"] <= progress.epoch))
-    stop = StopRequest()
+    record = run_record(config, ranks)
+    if env.is_main:
+        write_json(os.path.join(args.out_dir, "run.json"), record)
+    stop, progress_log = StopRequest(), ProgressLog(args.log_every)
+    tensorboard = open_tensorboard(args.out_dir) if args.tensorboard and env.is_main else None
     allow_nonfinite = scaler.is_enabled()  # fp16: the scaler skips those steps and lowers its scale
     for epoch in range(progress.epoch + 1, args.epochs + 1):
         if progress.stopped_early:
@@ -241,6 +249,9 @@ def run(args, env, amp_dtype) -> int:
             finite = torch.isfinite(loss)
             sums += torch.stack([torch.where(finite, loss.double(), 0.0), finite.double(),
                                  torch.ones((), dtype=torch.float64, device=device)]) * labels.numel()
+            if progress_log.due(step):
+                progress_log.show(epoch, step, steps_per_epoch, step * args.batch_size,
+                                  sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
             checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
             if step % STOP_CHECK_EVERY == 0 or checkpoint_due:
                 stopping = stop.check(device, sums[1] < sums[2], allow_nonfinite)  # all ranks agree
@@ -255,6 +266,7 @@ def run(args, env, amp_dtype) -> int:
         # Summing over ranks waits for the slowest, like the seed's barrier, so the time is honest.
         loss_sum, n_finite, count = all_reduce_sum(sums).tolist()
         epoch_time = time.perf_counter() - t0
+        progress_log.clear()
         stopping = stop.check(device, torch.tensor(n_finite < count), allow_nonfinite)
         metrics = {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1),
                    **evaluate(model, test_loader, normalize, device, amp_dtype, n_test),
@@ -277,6 +289,8 @@ def run(args, env, amp_dtype) -> int:
         if env.is_main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+            for key, value in metrics.items() if tensorboard else ():
+                tensorboard.add_scalar(key, value, epoch)
         if progress.stopped_early:
             log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
         elif stopping and epoch < args.epochs:
@@ -300,6 +314,9 @@ def run(args, env, amp_dtype) -> int:
     }
     if env.is_main:
         write_json(os.path.join(args.out_dir, "summary.json"), summary)
+        write_json(os.path.join(args.out_dir, "run.json"), {**record, "end_time": now_iso()})
+        if tensorboard:
+            tensorboard.close()
     log("\nTraining Summary:")
     log(f"Total training time: {progress.total_time_s:.3f} seconds")
     log(f"Throughput: {summary['images_per_s']:.3f} images/second")

@@ -86,8 +86,17 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
     backend = "nccl" if env.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store across --max-restarts, so restarted ranks would read the dead
+        # ranks' gloo addresses (or NCCL id) and wait for them forever: a fresh namespace per attempt.
+        store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        dist.init_process_group(backend, store=store, rank=env.rank if store else -1,
+                                world_size=env.world_size if store else -1, timeout=timeout,
                                 device_id=env.device if backend == "nccl" else None)
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
         if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
@@ -193,6 +202,60 @@ def log(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+class ProgressLog:
+    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
+    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
+
+    def __init__(self, every: int):
+        self.tty = _IS_MAIN and sys.stdout.isatty()
+        self.every = max(1, min(every, 10) if self.tty else every)
+
+    def due(self, step: int) -> bool:
+        return _IS_MAIN and self.every > 0 and step % self.every == 0
+
+    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        eta = elapsed / max(step, 1) * (steps - step)
+        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
+                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def clear(self) -> None:
+        if self.tty:
+            print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+def run_record(config: dict, ranks: list) -> dict:
+    """What a run ran on, for run.json: code version, library versions, devices, hosts, Slurm."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    cuda = torch.cuda.is_available()
+    return {
+        "config": config, "git_commit": commit, "git_dirty": dirty,
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                     "cudnn": torch.backends.cudnn.version() if cuda else None},
+        "world_size": len(ranks), "ranks": ranks,
+        "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
+        "start_time": now_iso(), "end_time": None,
+    }
+
+
+def open_tensorboard(out_dir: str):
+    from torch.utils.tensorboard import SummaryWriter  # check_args made sure it imports
+    return SummaryWriter(os.path.join(out_dir, "tensorboard"))
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def seed_everything(seed: int) -> None:
     import random
     random.seed(seed)
@@ -257,6 +320,12 @@ def check_args(args, world_size: int) -> None:
     for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                            "(or pip install -e '.[tensorboard]')") from None
     if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
         raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
 

@@ -36,13 +36,28 @@ def assert_same_weights(out_dir, reference):
     assert got["scheduler"]["last_epoch"] == reference["scheduler"]["last_epoch"]
 
 
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers():
+    """A failed test must not leave torchrun and its ranks running into the next one."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def start(args, nproc=2, extra=(), env=None):
     """torchrun in the background, its output in a file; returns (process, log path)."""
     log = os.path.join(str(args[args.index("--out-dir") + 1]) + ".log")
     cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, os.path.join(ROOT, "train_ddp.py")]
     f = open(log, "w")
     proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    STARTED.append(proc)
     return proc, log
 
 
@@ -152,7 +167,8 @@ def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_p
     wait_for(lambda: (out / "checkpoint.pt").exists(), what="training to start")
     hung = workers_of(proc)[-1]
     os.kill(hung, signal.SIGUSR2)
-    wait_for(lambda: "most recent call first" in text(log), timeout=30, what="the stack dump")
+    # The dump shows where the rank is, down to the recipe's frames (wait for all of it).
+    wait_for(lambda: "train_ddp.py\", line" in text(log), timeout=30, what="the stack dump")
     os.kill(hung, signal.SIGSTOP)  # a hung peer: alive, but never answers
     stopped_at = time.time()
     try:
@@ -162,7 +178,7 @@ def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_p
         os.kill(hung, signal.SIGKILL)
         proc.wait(timeout=60)
     output = text(log)
-    assert "train_ddp.py\", line" in output  # the SIGUSR2 dump shows where the rank was
+    assert "most recent call first" in output
     assert "error: rank 0: a collective operation timed out after 8 s: another rank is hung or dead" in output
     assert waited < 30, f"took {waited:.0f} s, not about --timeout"
 
