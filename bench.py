@@ -69,6 +69,15 @@ class Timer:
         return b - a
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        return f"{model} ({os.cpu_count()} cores)"
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
+
+
 def peak_flops(device):
     if device.type != "cuda":
         return None, "no peak for CPUs: MFU not reported"
@@ -241,9 +250,9 @@ def cpu_checks(args):
     loader, _ = du.build_loaders(small, small, batch, 0, 1, 0, 0, False, device=device)
     ready = [(normalize(x), y) for x, y in loader]
     stop = StopRequest()
-    ours_s, bare_s = [], []
-    for rnd in range(5):
-        loader.sampler.set_epoch(rnd)
+
+    def ours_loop(epoch):
+        loader.sampler.set_epoch(epoch)
         t = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64)
         for step, (images, labels) in enumerate(loader, 1):  # as in train_ddp.py's loop
@@ -253,17 +262,35 @@ def cpu_checks(args):
                                  torch.ones((), dtype=torch.float64)]) * labels.numel()
             if step % train_ddp.STOP_CHECK_EVERY == 0:
                 stop.check(device, sums[1] < sums[2], False)
-        ours_s.append((time.perf_counter() - t) / len(loader))
+        return (time.perf_counter() - t) / len(loader)
+
+    def bare_loop(epoch):
         t = time.perf_counter()
         for images, labels in ready:
             loss = loss_fn(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-        bare_s.append((time.perf_counter() - t) / len(ready))
+        return (time.perf_counter() - t) / len(ready)
+
+    # Interleaved rounds in alternating order, the first discarded as warm-up; medians compared.
+    ours_s, bare_s = [], []
+    for rnd in range(9):
+        first, second = (ours_loop, bare_loop) if rnd % 2 else (bare_loop, ours_loop)
+        a, b = first(rnd), second(rnd)
+        if rnd:
+            (ours_s if first is ours_loop else bare_s).append(a)
+            (bare_s if first is ours_loop else ours_s).append(b)
     ours, bare = statistics.median(ours_s), statistics.median(bare_s)
+    t = time.perf_counter()  # the data path alone (device loader and normalisation): the overhead's bulk
+    for rnd in range(5):
+        loader.sampler.set_epoch(100 + rnd)
+        for images, _ in loader:
+            normalize(images)
+    data_s = (time.perf_counter() - t) / (5 * len(loader))
     loop = {"model": f"WRN-{args.depth}-{args.widen_factor}", "batch": batch, "ours_step_s": ours,
-            "bare_step_s": bare, "overhead_fraction": (ours - bare) / ours}
+            "bare_step_s": bare, "overhead_fraction": (ours - bare) / ours, "data_path_s": data_s,
+            "data_path_fraction": data_s / bare}
     return {"augmentation": aug, "loop_overhead": loop}
 
 
@@ -275,7 +302,7 @@ def main(args):
     init_distributed(env, 600)
     try:
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                  else platform.processor() or "cpu", "world_size": env.world_size, "torch": torch.__version__,
+                  else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
                   "amp_dtype": str(amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
         if args.cpu_checks:
             result["cpu_checks"] = c = cpu_checks(args)
@@ -283,7 +310,8 @@ def main(args):
             log(f"augmentation, 1 core: PIL per sample {a['pil_img_per_s_per_core']:.0f} img/s, "
                 f"batched tensor ops {a['tensor_img_per_s_per_core']:.0f} img/s: {a['speedup']:.1f}x")
             log(f"loop overhead ({lo['model']}, batch {lo['batch']}): {lo['ours_step_s'] * 1e3:.1f} ms/step vs "
-                f"bare {lo['bare_step_s'] * 1e3:.1f} ms/step: {lo['overhead_fraction'] * 100:.1f}%")
+                f"bare {lo['bare_step_s'] * 1e3:.1f} ms/step: {lo['overhead_fraction'] * 100:.1f}%; the data path "
+                f"alone {lo['data_path_s'] * 1e3:.2f} ms/step, {lo['data_path_fraction'] * 100:.1f}% of the bare step")
         else:
             data = du.make_synthetic(max(50_000, args.batch_size * 4), train=True)
             peak, peak_note = peak_flops(device)
@@ -307,7 +335,7 @@ def main(args):
                 seed["images_per_s"] = args.batch_size / seed["step_s"]
                 result["seed"], result["speedup_vs_seed"] = seed, ips / seed["images_per_s"]
                 log(f"seed pipeline: {seed['images_per_s']:.0f} img/s; ours is {result['speedup_vs_seed']:.2f}x")
-        path = args.json or f"bench-{result['device'].replace(' ', '_')}-{env.world_size}x.json"
+        path = args.json or f"bench-{''.join(c if c.isalnum() else '_' for c in result['device'])[:40]}-{env.world_size}x.json"
         if env.is_main:
             write_json(path, result)
             log(f"wrote {path}")

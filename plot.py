@@ -43,6 +43,7 @@ def plot_runs(run_dirs: list, out_dir: str) -> dict:
             for key, label in keys:
                 ax.plot(epochs, [m[key] for m in metrics], marker="o", label=f"{run} {label}".strip())
         ax.set_xlabel("epoch")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()

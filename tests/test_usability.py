@@ -106,3 +106,15 @@ def test_tensorboard(tmp_path):
         assert not os.path.exists(out)
     else:
         assert proc.returncode == 0 and any((out / "tensorboard").iterdir())
+
+
+def test_benchmark_cpu_checks_report(tmp_path):
+    path = tmp_path / "cpu.json"
+    proc = launch(["--cpu-checks", "--depth", 10, "--widen-factor", 1, "--batch-size", 16, "--json", path],
+                  torchrun=False, script="bench.py")
+    assert re.search(r"^augmentation, 1 core: PIL per sample \d+ img/s, batched tensor ops \d+ img/s: [\d.]+x$",
+                     proc.stdout, re.M)
+    assert re.search(r"^loop overhead \(WRN-10-1, batch 16\): [\d.]+ ms/step vs bare [\d.]+ ms/step: -?[\d.]+%; "
+                     r"the data path alone [\d.]+ ms/step", proc.stdout, re.M)
+    result = read_json(path)["cpu_checks"]
+    assert result["augmentation"]["speedup"] > 0 and 0 < result["loop_overhead"]["data_path_s"]
