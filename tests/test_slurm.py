@@ -127,6 +127,16 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slur
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+def test_preflight_job_checks_both_nodes(slurm, tmp_path):
+    job, log = sbatch("preflight.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
+                      ["--dataset", "synthetic", "--out-dir", tmp_path / "out", "--device", "cpu"])
+    assert wait_job(job, log) == "COMPLETED", read(log)
+    text = read(log)
+    assert "world size 2" in text and "all_reduce bus bandwidth: 1 MiB" in text
+    assert {h for h in ("node1", "node2") if f" {h} " in text} == {"node1", "node2"}
+    assert "preflight: all checks passed" in text
+
+
 def test_job_scripts_pass_shellcheck():
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")

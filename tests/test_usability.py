@@ -118,3 +118,30 @@ def test_benchmark_cpu_checks_report(tmp_path):
                      r"the data path alone [\d.]+ ms/step", proc.stdout, re.M)
     result = read_json(path)["cpu_checks"]
     assert result["augmentation"]["speedup"] > 0 and 0 < result["loop_overhead"]["data_path_s"]
+
+
+def test_progress_is_one_live_line_on_a_terminal(tmp_path):
+    import pty
+    import subprocess
+    import sys
+    from conftest import ROOT
+    master, slave = pty.openpty()
+    args = [str(a) for a in [*SMALL, "--epochs", 1, "--train-size", 640, "--out-dir", tmp_path / "run"]]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ddp.py"), *args], cwd=ROOT,
+                            stdout=slave, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    out = b"".join(chunks).decode()
+    # 20 steps: the line is redrawn in place (\r) every 10 steps, then cleared before the epoch's lines.
+    assert re.findall(r"\r  epoch 1 step (\d+)/20 \| \d+ img/s", out) == ["10", "20"]
+    assert not re.search(r"^  epoch \d step", out, re.M)
+    assert "Epoch 1/1 completed in" in out
