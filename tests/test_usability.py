@@ -62,6 +62,7 @@ def test_benchmark_runs_and_scaling_plot(tmp_path):
                        "--device", "cpu", "--json", path], nproc=n, script="bench.py")
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms \(data [\d.]+ ms, "
                          r"fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, exposed comm ", proc.stdout, re.M)
+        assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
         results.append(read_json(path))
     assert [r["world_size"] for r in results] == [1, 2]
     assert results[0]["ours"]["exposed_comm_s"] is None and results[1]["ours"]["exposed_comm_s"] is not None
