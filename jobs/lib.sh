@@ -1,8 +1,9 @@
 # Shared by the job scripts in jobs/: sourced, not run. Three things every job needs:
 #   job_summary      what Slurm granted, printed at the start of the log
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
+#   NPROC, MASTER_ADDR, MASTER_PORT   ranks per node, and where torchrun's ranks meet
 #   run_requeueable  run the training, turn Slurm's warning signal into a checkpoint, and requeue
-# shellcheck shell=bash disable=SC2034  # LAUNCH is used by the scripts that source this file
+# shellcheck shell=bash disable=SC2034  # LAUNCH, NPROC, MASTER_* are used by the scripts that source this
 
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 DATA_DIR=${DATA_DIR:-$PROJECT_DIR/datasets}
@@ -26,6 +27,14 @@ if [[ -n "${CONTAINER:-}" ]]; then
     [[ -d "$DATA_DIR" ]] && binds="$binds,$DATA_DIR"
     LAUNCH=(apptainer exec --nv --bind "$binds" --pwd "$PROJECT_DIR" "$CONTAINER")
 fi
+
+# One process per GPU that Slurm granted on each node, never a hard-coded count. Without GPUs
+# (a CPU-only partition) set NPROC_PER_NODE; the ranks then train on CPU with gloo.
+NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# Multi-node rendezvous: on the allocation's first node, on a port derived from the job id so
+# that two jobs sharing a node do not collide.
+MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1)
+MASTER_PORT=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
 
 # The ranks checkpoint and exit (status 75) when this file appears; it lives in the project
 # directory, which every node and the container see. A requeued job keeps its id: start clean.

@@ -29,9 +29,7 @@ set -uo pipefail
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 
-# One process per GPU that Slurm granted on this node, never a hard-coded count. Without GPUs
-# (a CPU-only partition) set NPROC_PER_NODE; the ranks then train on CPU with gloo.
-NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# NPROC (lib.sh): one process per GPU that Slurm granted on this node.
 echo "=== torchrun: 1 node x $NPROC processes"
 
 run_requeueable "${LAUNCH[@]}" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" \

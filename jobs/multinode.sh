@@ -36,11 +36,8 @@ job_summary
 # export NCCL_IB_HCA=mlx5_0,mlx5_1
 # export NCCL_IB_DISABLE=1
 
-# Rendezvous on the first node of the allocation, on a port derived from the job id so that two
-# jobs sharing a node do not collide.
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+# lib.sh set the rendezvous: MASTER_ADDR is the allocation's first node (scontrol show hostnames),
+# MASTER_PORT is derived from the job id; NPROC is the GPUs granted per node.
 echo "=== torchrun: $SLURM_JOB_NUM_NODES nodes x $NPROC processes, rendezvous at $MASTER_ADDR:$MASTER_PORT"
 
 # One srun task per node; each runs torchrun, which starts NPROC ranks on its node.

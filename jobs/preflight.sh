@@ -22,9 +22,6 @@ source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 
 # Same launch as jobs/multinode.sh, so what passes here is what training will meet.
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
-NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${LAUNCH[@]}" \
     torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC" \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \

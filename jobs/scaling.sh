@@ -22,13 +22,12 @@ set -uo pipefail
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 
-GPUS=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+GPUS=$NPROC  # lib.sh: the GPUs granted per node
 PER_GPU_BATCH=${PER_GPU_BATCH:-512}
 OUT=${SCALING_DIR:-$PROJECT_DIR/bench-results/$SLURM_JOB_ID}
 mkdir -p "$OUT"
 [[ "${1:-}" == "--" ]] && shift  # extra bench.py arguments follow
 
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 n=1
 while (( n <= GPUS )); do  # one node, n GPUs
     "${LAUNCH[@]}" torchrun --standalone --nproc_per_node="$n" bench.py \

@@ -45,23 +45,7 @@ if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1
 fi
 
 # ---------------------------------------------------------------- stop old daemons
-stop_daemons() {
-    local name i
-    for name in slurmctld slurmd; do
-        pkill -x "$name" 2>/dev/null || true
-    done
-    for i in $(seq 1 50); do
-        if ! pgrep -x slurmctld >/dev/null 2>&1 && ! pgrep -x slurmd >/dev/null 2>&1; then
-            return 0
-        fi
-        if [[ $i -eq 30 ]]; then
-            pkill -9 -x slurmctld 2>/dev/null || true
-            pkill -9 -x slurmd 2>/dev/null || true
-        fi
-        sleep 0.2
-    done
-}
-stop_daemons
+bash "$(dirname "${BASH_SOURCE[0]}")/stop_cluster.sh" >/dev/null
 
 # ---------------------------------------------------------------- munge
 MUNGE_KEY=/etc/munge/munge.key
