@@ -28,11 +28,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
 from model import WideResNet
-from train_utils import (EXIT_STOPPED, Progress, ProgressLog, StopRequest, UserError, agree_on_error, all_gather, check_args,
-                         all_reduce_sum, catch_user_error, check_writable, describe_model, describe_timeout,
-                         evaluate, host_name,
-                         init_distributed, load_latest_checkpoint, log, lr_lambda, pick_device, read_dist_env, resolve_amp,
-                         now_iso, open_tensorboard, run_record, save_checkpoint, scaled_lr, seed_everything, unwrap, write_json, write_text)
+from train_utils import (EXIT_STOPPED, Progress, ProgressLog, StopRequest, UserError, agree_on_error,
+                         all_gather, all_reduce_sum, catch_user_error, check_args, check_writable,
+                         describe_model, describe_timeout, evaluate, host_name, init_distributed,
+                         load_latest_checkpoint, log, lr_lambda, now_iso, open_tensorboard, pick_device,
+                         read_dist_env, resolve_amp, run_record, save_checkpoint, scaled_lr, seed_everything,
+                         unwrap, write_json, write_text)
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
 
@@ -72,7 +73,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
     p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 where supported, fp16 on older GPUs, off on CPU")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
-    p.add_argument("--log-every", type=int, default=50, help="progress line every N steps in batch logs (on a terminal: a live line)")
+    p.add_argument("--log-every", type=int, default=50, help="progress line every N steps in batch logs (on a terminal: a live line; 0: none)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep, newest first")
     p.add_argument("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, checkpointed, to resume in a later job (0: never)")
@@ -291,6 +292,8 @@ def run(args, env, amp_dtype) -> int:
                 f.write(json.dumps(metrics) + "\n")
             for key, value in metrics.items() if tensorboard else ():
                 tensorboard.add_scalar(key, value, epoch)
+            if tensorboard:
+                tensorboard.flush()  # a preempted run keeps its curves too
         if progress.stopped_early:
             log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
         elif stopping and epoch < args.epochs:

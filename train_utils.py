@@ -208,7 +208,7 @@ class ProgressLog:
 
     def __init__(self, every: int):
         self.tty = _IS_MAIN and sys.stdout.isatty()
-        self.every = max(1, min(every, 10) if self.tty else every)
+        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
 
     def due(self, step: int) -> bool:
         return _IS_MAIN and self.every > 0 and step % self.every == 0
