@@ -137,6 +137,18 @@ def test_preflight_job_checks_both_nodes(slurm, tmp_path):
     assert "preflight: all checks passed" in text
 
 
+def test_scaling_job_benchmarks_each_size_and_plots(slurm, tmp_path, monkeypatch):
+    monkeypatch.setenv("PER_GPU_BATCH", "16")
+    monkeypatch.setenv("SCALING_DIR", str(tmp_path / "results"))
+    job, log = sbatch("scaling.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
+                      ["--", "--depth", 10, "--widen-factor", 1, "--steps", 3, "--warmup", 1, "--device", "cpu"])
+    assert wait_job(job, log) == "COMPLETED", read(log)
+    results = {f: read_json(tmp_path / "results" / f) for f in ("1x1.json", "1x2.json", "2x2.json")}
+    assert [r["world_size"] for r in results.values()] == [1, 2, 4]
+    assert [r["config"]["batch_size"] for r in results.values()] == [16, 32, 64]  # fixed per-GPU batch
+    assert (tmp_path / "results" / "scaling.png").stat().st_size > 10_000
+
+
 def test_job_scripts_pass_shellcheck():
     if not shutil.which("shellcheck"):
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
