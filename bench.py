@@ -139,13 +139,18 @@ def our_batches(loader, normalize):
             yield normalize(images.to(normalize.scale.device, non_blocking=True)), labels.to(normalize.scale.device, non_blocking=True)
 
 
+def seed_transform():
+    """The seed's per-sample training transform on PIL images."""
+    import torchvision.transforms as T
+    return T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
+                      T.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD)])
+
+
 def seed_batches(data, per_rank_batch, env, workers, device):
     """The seed's input pipeline: PIL images through torchvision transforms in DataLoader workers."""
-    import torchvision.transforms as T
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset, DistributedSampler
-    tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD)])
+    tf = seed_transform()
 
     class PILSet(Dataset):
         def __init__(self):
@@ -223,15 +228,13 @@ def bench_seed(args, env, device, data):
 def cpu_checks(args):
     """Per-core comparisons that need no GPU."""
     torch.set_num_threads(1)
-    import torchvision.transforms as T
     from PIL import Image
     data = du.make_synthetic(4096, train=True)
-    tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD)])
+    tf = seed_transform()
     hwc = data.images.permute(0, 2, 3, 1).numpy()
     pil_rates, tensor_rates = [], []
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
-    padded = torch.nn.functional.pad(data.images, (4,) * 4)
+    padded = du.pad(data.images)
     for rnd in range(3):  # interleaved rounds, the median of each
         t = time.perf_counter()
         for i in range(1024):
@@ -249,7 +252,7 @@ def cpu_checks(args):
     # The training loop's own overhead: our loop (device loader, normalisation, loss bookkeeping,
     # the stop check every 10 steps) against a bare loop over ready-made batches.
     import train_ddp
-    from train_utils import StopRequest
+    from train_utils import StopRequest, loss_stats
     torch.set_num_threads(os.cpu_count() or 1)
     device, batch = torch.device("cpu"), args.batch_size
     model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
@@ -267,9 +270,7 @@ def cpu_checks(args):
         sums = torch.zeros(3, dtype=torch.float64)
         for step, (images, labels) in enumerate(loader, 1):  # as in train_ddp.py's loop
             loss = train_ddp.train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, None)
-            finite = torch.isfinite(loss)
-            sums += torch.stack([torch.where(finite, loss.double(), 0.0), finite.double(),
-                                 torch.ones((), dtype=torch.float64)]) * labels.numel()
+            sums += loss_stats(loss, labels.numel())
             if step % train_ddp.STOP_CHECK_EVERY == 0:
                 stop.check(device, sums[1] < sums[2], False)
         return (time.perf_counter() - t) / len(loader)

@@ -181,6 +181,11 @@ def crop_params(h):
     return (h & 0xFFFF) % 9, ((h >> 16) & 0xFFFF) % 9, (h >> 32) & 1
 
 
+def pad(images: torch.Tensor) -> torch.Tensor:
+    """Zero-pad by PAD on each side, once up front, so that a random crop is a slice or a gather."""
+    return torch.nn.functional.pad(images, (PAD,) * 4)
+
+
 class CIFARDataset(Dataset):
     """uint8 images and labels. With `augment`, items are keyed (epoch, index) and get a random
     32x32 crop of the zero-padded 40x40 image and a random horizontal flip, drawn from
@@ -188,8 +193,7 @@ class CIFARDataset(Dataset):
 
     def __init__(self, data: ImageData, augment: bool = False, seed: int = 0):
         self.labels, self.augment, self.seed = data.labels, augment, seed
-        # Pad once up front, so a crop is a slice.
-        self.images = torch.nn.functional.pad(data.images, (PAD,) * 4) if augment else data.images
+        self.images = pad(data.images) if augment else data.images
 
     def __len__(self):
         return len(self.labels)
@@ -276,7 +280,7 @@ class DeviceLoader:
     def __init__(self, data: ImageData, batch_size: int, device, sampler=None, indices=None, seed: int = 0):
         self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
         augment = sampler is not None
-        images = torch.nn.functional.pad(data.images, (PAD,) * 4) if augment else data.images
+        images = pad(data.images) if augment else data.images
         self.images, self.labels = images.to(device), data.labels.to(device)
         self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.int64, device=device)
 

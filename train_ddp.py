@@ -31,7 +31,7 @@ from model import WideResNet
 from train_utils import (EXIT_STOPPED, Progress, ProgressLog, StopRequest, UserError, agree_on_error,
                          all_gather, all_reduce_sum, catch_user_error, check_args, check_writable,
                          describe_model, describe_timeout, evaluate, host_name, init_distributed,
-                         load_latest_checkpoint, log, lr_lambda, now_iso, open_tensorboard, pick_device,
+                         load_latest_checkpoint, log, loss_stats, lr_lambda, now_iso, open_tensorboard, pick_device,
                          read_dist_env, resolve_amp, run_record, save_checkpoint, scaled_lr, seed_everything,
                          unwrap, write_json, write_text)
 
@@ -247,9 +247,7 @@ def run(args, env, amp_dtype) -> int:
         t0 = time.perf_counter() - progress.elapsed_s
         for step, (images, labels) in enumerate(train_loader, start=progress.step + 1):
             loss = train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, amp_dtype)
-            finite = torch.isfinite(loss)
-            sums += torch.stack([torch.where(finite, loss.double(), 0.0), finite.double(),
-                                 torch.ones((), dtype=torch.float64, device=device)]) * labels.numel()
+            sums += loss_stats(loss, labels.numel())
             if progress_log.due(step):
                 progress_log.show(epoch, step, steps_per_epoch, step * args.batch_size,
                                   sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
