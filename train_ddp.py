@@ -106,13 +106,21 @@ def train_step(model, images, labels, normalize, optimizer, scheduler, scaler, l
 
 def main(args) -> int:
     env = read_dist_env()
-    check_args(args, env.world_size)
-    env.device = pick_device(args.device, env.local_rank)
-    amp_dtype = resolve_amp(args.amp, env.device)
-    torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
-    init_distributed(env, args.timeout)
     try:
+        env.device = pick_device(args.device, env.local_rank)
+        init_distributed(env, args.timeout)
+        check_args(args, env.world_size)  # after init, so that the ranks can wait for rank 0 to say why
+        amp_dtype = resolve_amp(args.amp, env.device)
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         return run(args, env, amp_dtype)
+    except UserError as e:
+        log(f"error: {e}", file=sys.stderr)
+        # torchrun kills the other ranks as soon as one exits: leave only once rank 0 has said why.
+        if dist.is_initialized():
+            dist.barrier()
+        elif env.rank != 0:
+            time.sleep(5)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -334,9 +342,6 @@ if __name__ == "__main__":
     args = get_args_parser().parse_args()
     try:
         sys.exit(main(args))
-    except UserError as e:
-        log(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     except RuntimeError as e:  # a hung or dead peer: say so on every rank, not after a wall of C++ frames
         if (why := describe_timeout(e, args.timeout)) is None:
             raise
