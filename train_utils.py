@@ -99,7 +99,7 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
                                 world_size=env.world_size if store else -1, timeout=timeout,
                                 device_id=env.device if backend == "nccl" else None)
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
-        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+        if not _is_timeout(e):
             raise
         raise UserError(
             f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
@@ -107,13 +107,17 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
             f"check that every node started and can reach that address, or raise --timeout") from None
 
 
+def _is_timeout(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def describe_timeout(e: Exception, timeout_s: float) -> str | None:
     """A one-line explanation if `e` is a collective that timed out (a hung or dead peer), else None."""
-    text = str(e)
-    if "timed out" not in text.lower() and "timeout" not in text.lower():
+    if not _is_timeout(e):
         return None
     return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
-            f"(send it SIGUSR2 to see where it is stuck); {text.splitlines()[0][:300]}")
+            f"(send it SIGUSR2 to see where it is stuck); {str(e).splitlines()[0][:300]}")
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
