@@ -14,7 +14,9 @@ GPU time is taken with CUDA events, CPU time with the wall clock, after warm-up 
 import argparse
 import os
 import platform
+import re
 import statistics
+import sys
 import time
 
 import torch
@@ -24,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils as du
 from model import WideResNet
-from train_utils import all_gather, init_distributed, log, pick_device, read_dist_env, resolve_amp, write_json
+from train_utils import (UserError, all_gather, init_distributed, log, pick_device, read_dist_env, resolve_amp,
+                         write_json)
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
 PEAK_FLOPS = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
@@ -41,6 +44,8 @@ def get_args_parser():
     p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="as in train_ddp.py")
     p.add_argument("--loader", choices=["gpu", "torch"], default="gpu", help="our data path: on the device, or a DataLoader")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size (DDP's default: 25)")
+    p.add_argument("--static-graph", action="store_true", help="DDP static_graph=True (the same graph every step)")
     p.add_argument("--workers", type=int, default=8, help="DataLoader workers per rank (the seed used 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as in train_ddp.py")
     p.add_argument("--compare-seed", action="store_true", help="also time the seed's pipeline, same device, same run")
@@ -78,12 +83,14 @@ def cpu_name() -> str:
         return platform.processor() or "cpu"
 
 
-def peak_flops(device):
+def peak_flops(device, amp_dtype):
     if device.type != "cuda":
         return None, "no peak for CPUs: MFU not reported"
+    if amp_dtype is None:
+        return None, "MFU is reported against the bf16/fp16 peak, so only with --amp bf16 or fp16"
     name = torch.cuda.get_device_name(device)
     for key, flops in PEAK_FLOPS.items():
-        if key in name:
+        if re.search(rf"\b{key}\b", name):  # "A40" must not match "RTX A4000"
             return flops, f"{key} dense bf16/fp16 tensor-core peak, {flops / 1e12:.0f} TFLOP/s"
     return None, f"unknown peak for {name}: MFU not reported"
 
@@ -177,9 +184,9 @@ def build(args, env, device, channels_last, compile_model, fused):
     model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=fused)
-    ddp = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True) if dist.is_initialized() else model
-    return model, (torch.compile(ddp) if compile_model else ddp), optimizer
+    ddp = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+              bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph) if dist.is_initialized() else model
+    return model, (torch.compile(ddp, dynamic=False) if compile_model else ddp), optimizer
 
 
 def bench_ours(args, env, device, amp_dtype, data):
@@ -187,11 +194,13 @@ def bench_ours(args, env, device, amp_dtype, data):
     cuda = device.type == "cuda"
     bare, model, optimizer = build(args, env, device, channels_last=cuda, compile_model=args.compile, fused=cuda)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    train, _ = du.build_loaders(data, data, per_rank, env.rank, env.world_size, 0, args.workers, cuda,
+    test = du.ImageData(data.images[:10_000], data.labels[:10_000])  # CIFAR-100's test set size
+    train, _ = du.build_loaders(data, test, per_rank, env.rank, env.world_size, 0, args.workers, cuda,
                                 device=device if args.loader == "gpu" else None)
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device, channels_last=cuda)
     batches = lambda: our_batches(train, normalize)  # noqa: E731
     step_s, _ = time_steps(model, batches, optimizer, scaler, amp_dtype, device, args.steps, args.warmup, split=False)
+    peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None  # training, data included
     _, (data_s, fwd_bwd_s, opt_s) = time_steps(model, batches, optimizer, scaler, amp_dtype, device,
                                                 max(10, args.steps // 2), 3, split=True)
     comm_s = None
@@ -212,7 +221,7 @@ def bench_ours(args, env, device, amp_dtype, data):
         pass
     aug_epoch_s = timer.seconds(t0, timer.mark())
     return {"step_s": step_s, "augment_epoch_s": aug_epoch_s, "augment_epoch_images": len(data.labels), "data_s": data_s, "fwd_bwd_s": fwd_bwd_s, "optimizer_s": opt_s,
-            "exposed_comm_s": comm_s, "flops_per_image": flops}
+            "exposed_comm_s": comm_s, "flops_per_image": flops, "peak_memory_gib": peak_memory}
 
 
 def bench_seed(args, env, device, data):
@@ -272,7 +281,7 @@ def cpu_checks(args):
             loss = train_ddp.train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, None)
             sums += loss_stats(loss, labels.numel())
             if step % train_ddp.STOP_CHECK_EVERY == 0:
-                stop.check(device, sums[1] < sums[2], False)
+                stop.check(device, sums, False)
         return (time.perf_counter() - t) / len(loader)
 
     def bare_loop(epoch):
@@ -308,9 +317,9 @@ def cpu_checks(args):
 def main(args):
     env = read_dist_env()
     env.device = device = pick_device(args.device, env.local_rank)
+    init_distributed(env, 600)  # sets this rank's GPU first
     amp_dtype = resolve_amp(args.amp, device)
     torch.backends.cudnn.benchmark = True
-    init_distributed(env, 600)
     try:
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
@@ -325,13 +334,12 @@ def main(args):
                 f"alone {lo['data_path_s'] * 1e3:.2f} ms/step, {lo['data_path_fraction'] * 100:.1f}% of the bare step")
         else:
             data = du.make_synthetic(50_000, train=True)  # CIFAR-100's training set size
-            peak, peak_note = peak_flops(device)
+            peak, peak_note = peak_flops(device, amp_dtype)
             ours = bench_ours(args, env, device, amp_dtype, data)
             ips = args.batch_size / ours["step_s"]
             ours.update(images_per_s=ips, images_per_s_per_gpu=ips / env.world_size,
                         mfu=ours["flops_per_image"] * ips / env.world_size / peak if peak else None,
-                        peak_note=peak_note,
-                        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+                        peak_note=peak_note)
             result["ours"] = ours
             ms = lambda s: "n/a" if s is None else f"{s * 1e3:.2f} ms"  # noqa: E731
             log(f"ours: {ips:.0f} img/s, {ips / env.world_size:.0f} img/s per {device.type}, step {ms(ours['step_s'])} "
@@ -358,4 +366,8 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    try:
+        main(get_args_parser().parse_args())
+    except UserError as e:
+        log(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

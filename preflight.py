@@ -83,6 +83,13 @@ def topology_hints() -> list:
     return []
 
 
+def pci_address(device) -> str:
+    """The GPU's PCI address as nvidia-smi prints it (domain:bus:device): unique on the node, where the
+    bus number alone is not (machines with one PCI domain per GPU put every GPU on bus 0)."""
+    p = torch.cuda.get_device_properties(device)
+    return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}"
+
+
 def main(args) -> int:
     env = read_dist_env()
     env.device = device = pick_device(args.device, env.local_rank)
@@ -90,8 +97,7 @@ def main(args) -> int:
     try:
         me = {"rank": env.rank, "local_rank": env.local_rank, "host": host_name(), "device": str(device),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "-",
-              "bus_id": torch.cuda.get_device_properties(device).pci_bus_id if device.type == "cuda"
-              and hasattr(torch.cuda.get_device_properties(device), "pci_bus_id") else "-",
+              "bus_id": pci_address(device) if device.type == "cuda" else "-",
               "data": check_data(args.dataset, args.data_dir), "out_dir": None, "hints": topology_hints()}
         try:
             check_writable(args.out_dir)
@@ -102,7 +108,7 @@ def main(args) -> int:
         log(f"backend {backend}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}; "
             f"cuDNN {torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}; world size {env.world_size}")
-        log(f"{'rank':>4} {'local':>5} {'host':<16} {'device':<8} {'gpu':<28} {'bus id':<14} data / out-dir")
+        log(f"{'rank':>4} {'local':>5} {'host':<16} {'device':<8} {'gpu':<28} {'pci address':<14} data / out-dir")
         for r in ranks:
             status = "ok" if not (r["data"] or r["out_dir"]) else "; ".join(x for x in (r["data"], r["out_dir"]) if x)
             log(f"{r['rank']:>4} {r['local_rank']:>5} {r['host']:<16} {r['device']:<8} {r['gpu'][:28]:<28} "

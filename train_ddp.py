@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dataset_utils
 from model import WideResNet
 from train_utils import (EXIT_STOPPED, Progress, ProgressLog, StopRequest, UserError, agree_on_error,
-                         all_gather, all_reduce_sum, catch_user_error, check_args, check_writable,
-                         describe_model, describe_timeout, evaluate, host_name, init_distributed,
+                         all_gather, all_reduce_sum, catch_user_error, check_args, check_resumable,
+                         check_writable, default_workers, describe_timeout, evaluate, host_name, init_distributed,
                          load_latest_checkpoint, log, loss_stats, lr_lambda, now_iso, open_tensorboard, pick_device,
                          read_dist_env, resolve_amp, run_record, save_checkpoint, scaled_lr, seed_everything,
                          unwrap, write_json, write_text)
@@ -136,7 +136,7 @@ def run(args, env, amp_dtype) -> int:
     unit = "GPUs" if device.type == "cuda" else "CPU processes"
     per_rank_batch = args.batch_size // env.world_size
     lr = scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling)
-    workers = args.workers if args.workers >= 0 else min(8, len(os.sched_getaffinity(0)) // env.local_world_size)
+    workers = args.workers if args.workers >= 0 else default_workers(env)
     agree_on_error(catch_user_error(check_writable, args.out_dir)[1] if env.is_main else None)
     config = {**vars(args), "world_size": env.world_size, "nodes": nodes, "per_rank_batch": per_rank_batch,
               "lr": lr, "num_workers": workers, "device_type": device.type, "amp_dtype": str(amp_dtype)}
@@ -183,10 +183,7 @@ def run(args, env, amp_dtype) -> int:
     progress = Progress()
     found, err = catch_user_error(load_latest_checkpoint, args.out_dir, device, args.keep_checkpoints)
     ckpt, ckpt_path = found or (None, None)
-    if ckpt is not None and ckpt["model_config"] != model_config:
-        err = (f"{ckpt_path} holds {describe_model(ckpt['model_config'])}, but this run builds "
-               f"{describe_model(model_config)}; pass the same --depth/--widen-factor, or another --out-dir")
-    agree_on_error(err)
+    agree_on_error(err or check_resumable(ckpt, ckpt_path, model_config, device, args.evaluate))
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -195,11 +192,12 @@ def run(args, env, amp_dtype) -> int:
             scheduler.base_lrs = [lr]
             optimizer.param_groups[0]["lr"] = lr * scheduler.lr_lambdas[0](scheduler.last_epoch)
             log(f"note: the peak LR changed from {ckpt['config']['lr']:.4g} to {lr:.4g} on resume")
-        scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["scaler"]:  # empty unless that run used fp16
+            scaler.load_state_dict(ckpt["scaler"])
         progress = Progress(**ckpt["progress"])
         if ckpt["world_size"] == env.world_size:  # else the seed above serves as well as any
             torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
-            if device.type == "cuda":
+            if device.type == "cuda" and ckpt["rng_cuda"]:
                 torch.cuda.set_rng_state(ckpt["rng_cuda"][env.rank].cpu(), device)
         log(f"Resumed from {ckpt_path}: epoch {progress.epoch} of {args.epochs} done"
             + (f", and {progress.step} steps of the next." if progress.step else "."))
@@ -209,7 +207,7 @@ def run(args, env, amp_dtype) -> int:
         model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
                     gradient_as_bucket_view=True)
     if args.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, dynamic=False)  # a static graph per shape (the last batch is smaller)
 
     if args.evaluate:
         metrics = evaluate(model, test_loader, normalize, device, amp_dtype, n_test)
@@ -243,7 +241,7 @@ def run(args, env, amp_dtype) -> int:
         write_json(os.path.join(args.out_dir, "run.json"), record)
     stop, progress_log = StopRequest(), ProgressLog(args.log_every)
     tensorboard = open_tensorboard(args.out_dir) if args.tensorboard and env.is_main else None
-    allow_nonfinite = scaler.is_enabled()  # fp16: the scaler skips those steps and lowers its scale
+    allow_nonfinite = scaler.is_enabled()  # fp16: the scaler skips such steps and lowers its scale
     for epoch in range(progress.epoch + 1, args.epochs + 1):
         if progress.stopped_early:
             break
@@ -261,7 +259,7 @@ def run(args, env, amp_dtype) -> int:
                                   sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
             checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
             if step % STOP_CHECK_EVERY == 0 or checkpoint_due:
-                stopping = stop.check(device, sums[1] < sums[2], allow_nonfinite)  # all ranks agree
+                stopping = stop.check(device, sums, allow_nonfinite)  # all ranks agree
                 if stopping or checkpoint_due:
                     progress.step, progress.elapsed_s = step, time.perf_counter() - t0
                     progress.sums = all_reduce_sum(sums.clone()).tolist()
@@ -274,7 +272,7 @@ def run(args, env, amp_dtype) -> int:
         loss_sum, n_finite, count = all_reduce_sum(sums).tolist()
         epoch_time = time.perf_counter() - t0
         progress_log.clear()
-        stopping = stop.check(device, torch.tensor(n_finite < count), allow_nonfinite)
+        stopping = stop.check(device, sums, allow_nonfinite)  # sums: all-reduced above
         metrics = {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1),
                    **evaluate(model, test_loader, normalize, device, amp_dtype, n_test),
                    "lr": scheduler.get_last_lr()[0], "epoch_time_s": epoch_time, "images_per_s": count / epoch_time}

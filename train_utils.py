@@ -79,6 +79,13 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def default_workers(env: DistEnv) -> int:
+    """DataLoader workers per rank for --workers -1: the rank's share of the CPUs it may use, at most
+    8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
+    cpus = len(os.sched_getaffinity(0))
+    return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
+
+
 def init_distributed(env: DistEnv, timeout_s: float) -> None:
     """NCCL with one GPU per LOCAL_RANK on CUDA, gloo on CPU. A no-op for a single plain process."""
     if "RANK" not in os.environ:
@@ -175,15 +182,20 @@ class StopRequest:
             self.signal = f"stop file {self.stop_file}"
         return self.signal is not None
 
-    def check(self, device, nonfinite: torch.Tensor, allow_nonfinite: bool) -> bool:
-        """One small all-reduce: True if any rank was asked to stop. Raises if any rank saw a
-        non-finite loss that the fp16 grad scaler was not there to skip."""
-        flags = torch.stack([torch.tensor(float(self.requested_here()), device=device),
-                             nonfinite.to(device=device, dtype=torch.float32)])
+    def check(self, device, sums: torch.Tensor, allow_nonfinite: bool) -> bool:
+        """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
+        non-finite (`sums` as from loss_stats). With fp16 the grad scaler skips the odd overflowing
+        step, so only a majority of non-finite losses this epoch, divergence, stops the run."""
+        finite, count = sums[1], sums[2]
+        diverged = finite < (0.5 if allow_nonfinite else 1.0) * count
+        flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
+                             diverged.to(device=device, dtype=torch.float32)])
         stop, bad = all_reduce_max(flags).tolist()
-        if bad and not allow_nonfinite:
-            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
-                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
+        if bad:
+            where, fix = (" in most fp16 steps", ", or use --amp bf16") if allow_nonfinite else ("", "")
+            raise UserError(f"the training loss became NaN or infinite{where}, so training stopped before saving "
+                            f"anything from it (the last checkpoint is intact): lower --base-lr or raise "
+                            f"--warmup-epochs{fix}")
         return bool(stop)
 
 
@@ -295,10 +307,23 @@ def _atomic_write(path: str, write, before_replace=None) -> None:
         if before_replace:
             before_replace()
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+        _fsync_dir(d)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _fsync_dir(d: str) -> None:
+    """Make the renames in `d` durable, so a node crash right after a save keeps the new file."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some network filesystems refuse fsync on a directory; the rename still stands
+        pass
 
 
 def check_writable(out_dir: str) -> None:
@@ -347,7 +372,8 @@ def resolve_amp(amp: str, device: torch.device):
     if amp == "auto":
         if device.type != "cuda":
             return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
 
 
@@ -397,7 +423,7 @@ def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -
         sums += torch.stack([loss.double(),
                              (top5[:, 0] == labels).sum().double(),
                              (top5 == labels[:, None]).any(dim=1).sum().double(),
-                             torch.tensor(labels.numel(), dtype=torch.float64, device=device)])
+                             torch.full((), labels.numel(), dtype=torch.float64, device=device)])  # no host copy
     all_reduce_sum(sums)
     loss_sum, top1, top5_correct, count = sums.tolist()
     if int(count) != expected_count:
@@ -424,6 +450,9 @@ def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
     """Write the new checkpoint in full to a temporary file, then shift the older ones down and
     rename it into place. A crash at any point leaves the previous checkpoints loadable."""
     paths = checkpoint_paths(out_dir, keep)
+    for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
+        if name.startswith(".checkpoint.") and name.endswith(".tmp"):
+            os.unlink(os.path.join(out_dir, name))
 
     def shift_older():
         for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
@@ -475,6 +504,20 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
         raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move the checkpoint files "
                         f"away to start afresh")
     return None, None
+
+
+def check_resumable(ckpt, path: str, model_config: dict, device: torch.device, evaluate_only: bool) -> str | None:
+    """Why this run cannot continue from `ckpt`, or None if it can (or if there is no checkpoint)."""
+    if ckpt is None:
+        return None
+    if ckpt["model_config"] != model_config:
+        return (f"{path} holds {describe_model(ckpt['model_config'])}, but this run builds "
+                f"{describe_model(model_config)}; pass the same --depth/--widen-factor, or another --out-dir")
+    trained_on = ckpt["config"]["device_type"]
+    if trained_on != device.type and not evaluate_only:  # optimizer state and RNGs belong to the device type
+        return (f"{path} was trained on {trained_on}, and this run is on {device.type}: resume with "
+                f"--device {trained_on}, or train afresh in another --out-dir")
+    return None
 
 
 def describe_model(cfg: dict) -> str:

@@ -3,6 +3,7 @@ import hashlib
 import os
 
 import pytest
+import torch
 
 from conftest import TINY, launch, write_cifar100
 
@@ -97,3 +98,27 @@ def test_corrupt_checkpoint_is_refused_not_overwritten(tmp_path):
     proc = launch([*SMALL, "--out-dir", out], torchrun=False, check=False)
     assert_refused(proc, f"no usable checkpoint in {out}: {out / 'checkpoint.pt'} cannot be loaded")
     assert (out / "checkpoint.pt").read_bytes() == b"garbage"
+
+
+def test_checkpoint_from_another_device_type_is_refused(tmp_path, finished_run):
+    out = tmp_path / "run"
+    out.mkdir()
+    ckpt = torch.load(finished_run / "checkpoint.pt", weights_only=True)
+    ckpt["config"]["device_type"] = "cuda"  # as if trained on GPUs; this run is on CPU
+    torch.save(ckpt, out / "checkpoint.pt")
+    before = snapshot(out)
+    proc = launch([*SMALL, "--epochs", 2, "--out-dir", out], torchrun=False, check=False)
+    assert_refused(proc, f"{out / 'checkpoint.pt'} was trained on cuda, and this run is on cpu: "
+                         f"resume with --device cuda, or train afresh in another --out-dir")
+    assert snapshot(out) == before
+    evaluated = launch([*SMALL, "--out-dir", out, "--evaluate"], torchrun=False)  # evaluating it is fine
+    assert "Validation Accuracy" in evaluated.stdout
+
+
+@pytest.mark.parametrize("first, then", [("off", "fp16"), ("fp16", "off")])
+def test_resume_with_another_precision(tmp_path, first, then):
+    """An fp16 run's grad-scaler state is absent from other runs' checkpoints, and unused by them."""
+    out = tmp_path / "run"
+    launch([*SMALL, "--epochs", 2, "--stop-after-epoch", 1, "--amp", first, "--out-dir", out], torchrun=False)
+    proc = launch([*SMALL, "--epochs", 2, "--amp", then, "--out-dir", out], torchrun=False)
+    assert "Resumed from" in proc.stdout and "Training completed successfully." in proc.stdout

@@ -13,7 +13,7 @@ import torch
 
 from conftest import ROOT, TINY, TORCHRUN, launch, load_model_state, read_json, read_jsonl
 from dataset_utils import EpochSampler
-from train_utils import UserError, load_latest_checkpoint
+from train_utils import StopRequest, UserError, load_latest_checkpoint, save_checkpoint
 
 # 640 samples / 32 = 20 steps per epoch; dropout and a worker so RNG and loader state matter.
 RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 2,
@@ -129,6 +129,19 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
     assert kept == ["checkpoint.1.pt", "checkpoint.pt"]  # --keep-checkpoints 2
 
 
+@pytest.mark.parametrize("moment, survivor", [("mid-write", "checkpoint.pt"), ("before-rename", "checkpoint.1.pt")])
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, moment, survivor):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "kill_during_save.py"),
+                           str(tmp_path), moment], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the killed write left its partial file"
+    ckpt, path = load_latest_checkpoint(str(tmp_path), torch.device("cpu"), keep=2)
+    assert path == str(tmp_path / survivor) and ckpt["progress"]["epoch"] == 2  # the last complete one
+    assert torch.equal(ckpt["model"]["w"], torch.full((1 << 20,), 2.0))
+    save_checkpoint(str(tmp_path), {"model": {}, "progress": {"epoch": 3}}, keep=2)  # the next save tidies up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.1.pt", "checkpoint.pt"]
+
+
 def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     run = [a if a != 32 else 48 for a in RUN]  # 48 divides by 2 and by 3
     out, stop_file = tmp_path / "run", tmp_path / "stop"
@@ -208,6 +221,39 @@ def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: the training loss became NaN or infinite" in proc.stderr
     assert (out / "checkpoint.pt").read_bytes() == good
+
+
+def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
+    out = tmp_path / "run"
+    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32, "--epochs", 2,
+            "--out-dir", out, "--amp", "fp16", *TINY]
+    launch([*base, "--stop-after-epoch", 1], torchrun=False)
+    good = (out / "checkpoint.pt").read_bytes()
+    proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "error: the training loss became NaN or infinite in most fp16 steps" in proc.stderr
+    assert "--amp bf16" in proc.stderr
+    assert (out / "checkpoint.pt").read_bytes() == good
+
+
+@pytest.mark.parametrize("nonfinite_steps, fp16, stops", [(0, False, False), (1, False, True), (1, True, False),
+                                                          (4, True, False), (6, True, True)])
+def test_nonfinite_loss_policy(nonfinite_steps, fp16, stops):
+    """Without a grad scaler any non-finite loss stops the run; with fp16's scaler, which skips
+    those steps, only a majority of them this epoch (divergence) does."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        n = 10 * 32
+        sums = torch.tensor([1.0, n - nonfinite_steps * 32, n], dtype=torch.float64)
+        if stops:
+            with pytest.raises(UserError, match="NaN or infinite"):
+                stop.check(torch.device("cpu"), sums, fp16)
+        else:
+            assert stop.check(torch.device("cpu"), sums, fp16) is False
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def test_checkpoint_holding_pickled_code_is_refused(tmp_path):

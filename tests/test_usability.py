@@ -58,13 +58,15 @@ def test_benchmark_runs_and_scaling_plot(tmp_path):
     results = []
     for n in (1, 2):
         path = tmp_path / f"bench-{n}.json"
+        ddp_options = ["--static-graph", "--bucket-cap-mb", 1] if n == 2 else []
         proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4, "--warmup", 2,
-                       "--device", "cpu", "--json", path], nproc=n, script="bench.py")
+                       "--device", "cpu", "--json", path, *ddp_options], nproc=n, script="bench.py")
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms \(data [\d.]+ ms, "
                          r"fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, exposed comm ", proc.stdout, re.M)
         assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
         results.append(read_json(path))
     assert [r["world_size"] for r in results] == [1, 2]
+    assert results[1]["config"]["static_graph"] and results[1]["config"]["bucket_cap_mb"] == 1
     assert results[0]["ours"]["exposed_comm_s"] is None and results[1]["ours"]["exposed_comm_s"] is not None
     # WRN-10-1: 12.5M multiply-adds forward (2 FLOPs each), and the backward pass costs about twice that.
     assert results[0]["ours"]["flops_per_image"] == pytest.approx(3 * 2 * 12.5e6, rel=0.05)

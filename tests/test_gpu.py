@@ -1,0 +1,71 @@
+"""The CUDA paths, on a machine with GPUs: `pytest tests/test_gpu.py` on a GPU node checks what CI
+(no GPU) cannot: NCCL, bf16 and fp16 autocast, channels_last, fused SGD, the on-GPU data path,
+--compile under DDP, CUDA RNG states in checkpoints, and the benchmark's CUDA-event timing and MFU.
+Everything else in the suite runs the same code on CPU with gloo."""
+import os
+import re
+
+import pytest
+import torch
+
+import dataset_utils as du
+from conftest import TINY, launch, load_model_state, read_json, read_jsonl
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU node)")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NPROC = min(2, GPUS)
+RUN = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 256, "--batch-size", 128, "--epochs", 2,
+       *TINY]
+
+
+def test_device_loader_on_the_gpu_matches_the_cpu_loader_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
+    for rank in range(2):
+        cpu_train, cpu_test = du.build_loaders(data, data, 32, rank, 2, 5, 0, False)
+        gpu_train, gpu_test = du.build_loaders(data, data, 32, rank, 2, 5, 0, False, device=torch.device("cuda"))
+        cpu_train.sampler.set_epoch(3, start=64)
+        gpu_train.sampler.set_epoch(3, start=64)
+        pairs = list(zip(cpu_train, gpu_train)) + list(zip(cpu_test, gpu_test))
+        assert len(pairs) == len(cpu_train) + len(cpu_test)
+        for (xa, ya), (xb, yb) in pairs:
+            assert xb.is_cuda and torch.equal(xa, xb.cpu()) and torch.equal(ya, yb.cpu())
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_training_on_gpus_resumes_and_finishes(tmp_path, amp):
+    out = tmp_path / "run"
+    first = launch([*RUN, "--amp", amp, "--out-dir", out, "--stop-after-epoch", 1], nproc=NPROC)
+    assert f"Using {NPROC} GPUs per node." in first.stdout
+    ckpt = load_model_state(out)
+    assert len(ckpt["rng_cuda"]) == NPROC and ckpt["config"]["device_type"] == "cuda"
+    assert ckpt["config"]["amp_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[amp]
+    second = launch([*RUN, "--amp", amp, "--out-dir", out], nproc=NPROC)
+    assert "Resumed from" in second.stdout and "Training completed successfully." in second.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [1, 2] and all(m["val_count"] == 256 for m in metrics)
+    assert all(0 < m["train_loss"] < 10 for m in metrics)
+    run = read_json(out / "run.json")
+    assert run["versions"]["nccl"] and len({r["device"] for r in run["ranks"]}) == 1
+
+
+def test_compile_under_ddp_trains_and_saves_plain_keys(tmp_path):
+    out = tmp_path / "run"
+    proc = launch([*RUN, "--epochs", 1, "--compile", "--out-dir", out], nproc=NPROC)
+    assert "Training completed successfully." in proc.stdout
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in load_model_state(out)["model"])
+    # Grads whose strides differ from DDP's bucket views cost a copy every step.
+    assert "Grad strides do not match bucket view strides" not in proc.stderr
+
+
+def test_benchmark_on_the_gpu_reports_mfu_and_the_seed_ratio(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = launch(["--depth", 10, "--widen-factor", 2, "--batch-size", 256 * NPROC, "--steps", 10, "--warmup", 3,
+                   "--workers", 2, "--compare-seed", "--json", path], nproc=NPROC, script="bench.py")
+    assert re.search(r"^ours: \d+ img/s, \d+ img/s per cuda", proc.stdout, re.M)
+    result = read_json(path)
+    ours = result["ours"]
+    assert ours["peak_memory_gib"] > 0 and ours["augment_epoch_s"] > 0 and result["speedup_vs_seed"] > 0
+    if "unknown peak" not in ours["peak_note"]:
+        assert 0 < ours["mfu"] < 1
+    assert result["device"] == torch.cuda.get_device_name(0) and os.path.getsize(path) > 0
