@@ -171,6 +171,7 @@ class StopRequest:
     def __init__(self):
         self.signal = None
         self.stop_file = os.environ.get("DDP_STOP_FILE")
+        self.prev_sums = None  # the sums at the previous check (fp16's divergence test)
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -184,18 +185,27 @@ class StopRequest:
 
     def check(self, device, sums: torch.Tensor, allow_nonfinite: bool) -> bool:
         """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
-        non-finite (`sums` as from loss_stats). With fp16 the grad scaler skips the odd overflowing
-        step, so only a majority of non-finite losses this epoch, divergence, stops the run."""
-        finite, count = sums[1], sums[2]
-        diverged = finite < (0.5 if allow_nonfinite else 1.0) * count
+        non-finite (`sums` as from loss_stats: this epoch's loss * n, finite n, n). With fp16 the
+        grad scaler skips the odd overflowing step, so only divergence stops the run: a majority of
+        non-finite losses since the previous check."""
+        if allow_nonfinite:
+            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
+            prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
+            self.prev_sums = sums.clone()
+            finite, count = sums[1] - prev[1], sums[2] - prev[2]
+            diverged = finite < 0.5 * count
+        else:
+            diverged = sums[1] < sums[2]
         flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
                              diverged.to(device=device, dtype=torch.float32)])
         stop, bad = all_reduce_max(flags).tolist()
+        if bad and allow_nonfinite:
+            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: training "
+                            "diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
+                            "--amp bf16, then run again to resume from the last checkpoint")
         if bad:
-            where, fix = (" in most fp16 steps", ", or use --amp bf16") if allow_nonfinite else ("", "")
-            raise UserError(f"the training loss became NaN or infinite{where}, so training stopped before saving "
-                            f"anything from it (the last checkpoint is intact): lower --base-lr or raise "
-                            f"--warmup-epochs{fix}")
+            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
+                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
         return bool(stop)
 
 

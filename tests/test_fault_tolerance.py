@@ -231,26 +231,33 @@ def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
     good = (out / "checkpoint.pt").read_bytes()
     proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: the training loss became NaN or infinite in most fp16 steps" in proc.stderr
+    assert "error: the training loss was NaN or infinite in most fp16 steps since the last check" in proc.stderr
     assert "--amp bf16" in proc.stderr
     assert (out / "checkpoint.pt").read_bytes() == good
 
 
-@pytest.mark.parametrize("nonfinite_steps, fp16, stops", [(0, False, False), (1, False, True), (1, True, False),
-                                                          (4, True, False), (6, True, True)])
-def test_nonfinite_loss_policy(nonfinite_steps, fp16, stops):
+def test_nonfinite_loss_policy():
     """Without a grad scaler any non-finite loss stops the run; with fp16's scaler, which skips
-    those steps, only a majority of them this epoch (divergence) does."""
+    those steps, only a majority of them since the previous check (divergence) does."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    cpu = torch.device("cpu")
+
+    def sums(bad_steps, steps):  # loss * n, finite n, n for `steps` steps of 32 samples
+        return torch.tensor([1.0, (steps - bad_steps) * 32, steps * 32], dtype=torch.float64)
     try:
-        stop = StopRequest()
-        n = 10 * 32
-        sums = torch.tensor([1.0, n - nonfinite_steps * 32, n], dtype=torch.float64)
-        if stops:
-            with pytest.raises(UserError, match="NaN or infinite"):
-                stop.check(torch.device("cpu"), sums, fp16)
-        else:
-            assert stop.check(torch.device("cpu"), sums, fp16) is False
+        assert StopRequest().check(cpu, sums(0, 10), False) is False
+        with pytest.raises(UserError, match="became NaN or infinite"):
+            StopRequest().check(cpu, sums(1, 10), False)
+        fp16 = StopRequest()
+        assert fp16.check(cpu, sums(4, 10), True) is False  # overflows the scaler skips
+        assert fp16.check(cpu, sums(8, 20), True) is False  # 4 of the last 10
+        with pytest.raises(UserError, match="most fp16 steps since the last check"):
+            fp16.check(cpu, sums(14, 30), True)  # 6 of the last 10, though 14 of all 30
+        fp16 = StopRequest()
+        fp16.check(cpu, sums(0, 90), True)
+        with pytest.raises(UserError, match="most fp16 steps"):
+            fp16.check(cpu, sums(10, 100), True)  # diverged: caught within 10 steps, not after half an epoch
+        assert fp16.check(cpu, sums(2, 10), True) is False  # a new epoch restarts the sums
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
