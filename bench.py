@@ -141,7 +141,7 @@ def our_batches(loader, normalize):
     epoch = 0
     while True:
         epoch += 1
-        loader.sampler.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
         for images, labels in loader:
             yield normalize(images.to(normalize.scale.device, non_blocking=True)), labels.to(normalize.scale.device, non_blocking=True)
 
@@ -195,8 +195,8 @@ def bench_ours(args, env, device, amp_dtype, data):
     bare, model, optimizer = build(args, env, device, channels_last=cuda, compile_model=args.compile, fused=cuda)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     test = du.ImageData(data.images[:10_000], data.labels[:10_000])  # CIFAR-100's test set size
-    train, _ = du.build_loaders(data, test, per_rank, env.rank, env.world_size, 0, args.workers, cuda,
-                                device=device if args.loader == "gpu" else None)
+    train, _ = du.build_loaders(data, test, args.batch_size, env.rank, env.world_size, 1, per_rank, 0, args.workers,
+                                cuda, device=device if args.loader == "gpu" else None)
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device, channels_last=cuda)
     batches = lambda: our_batches(train, normalize)  # noqa: E731
     step_s, _ = time_steps(model, batches, optimizer, scaler, amp_dtype, device, args.steps, args.warmup, split=False)
@@ -211,8 +211,8 @@ def bench_ours(args, env, device, amp_dtype, data):
         comm_s = max(0.0, fwd_bwd_s - local_s)
     flops = flops_per_image(bare, device, amp_dtype, cuda)
     # One full epoch of augmentation on one device (all 50,000 images, this rank's batch size).
-    everything, _ = du.build_loaders(data, data, per_rank, 0, 1, 0, 0, False, device=device)
-    everything.sampler.set_epoch(1)
+    everything, _ = du.build_loaders(data, data, per_rank, 0, 1, 1, per_rank, 0, 0, False, device=device)
+    everything.batch_sampler.set_epoch(1)
     timer = Timer(device)
     for _ in everything:  # warm-up
         break
@@ -261,25 +261,23 @@ def cpu_checks(args):
     # The training loop's own overhead: our loop (device loader, normalisation, loss bookkeeping,
     # the stop check every 10 steps) against a bare loop over ready-made batches.
     import train_ddp
-    from train_utils import StopRequest, loss_stats
+    from train_utils import StopRequest
     torch.set_num_threads(os.cpu_count() or 1)
     device, batch = torch.device("cpu"), args.batch_size
     model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     scaler, loss_fn = torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss()
     small = du.ImageData(data.images[:batch * 20], data.labels[:batch * 20])
-    loader, _ = du.build_loaders(small, small, batch, 0, 1, 0, 0, False, device=device)
+    loader, _ = du.build_loaders(small, small, batch, 0, 1, 1, batch, 0, 0, False, device=device)
     ready = [(normalize(x), y) for x, y in loader]
     stop = StopRequest()
 
     def ours_loop(epoch):
-        loader.sampler.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
         t = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64)
         for step, (images, labels) in enumerate(loader, 1):  # as in train_ddp.py's loop
-            loss = train_ddp.train_step(model, images, labels, normalize, optimizer, scheduler, scaler, loss_fn, None)
-            sums += loss_stats(loss, labels.numel())
+            sums += train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, None, 1)
             if step % train_ddp.STOP_CHECK_EVERY == 0:
                 stop.check(device, sums, False)
         return (time.perf_counter() - t) / len(loader)
@@ -304,7 +302,7 @@ def cpu_checks(args):
     ours, bare = statistics.median(ours_s), statistics.median(bare_s)
     t = time.perf_counter()  # the data path alone (device loader and normalisation): the overhead's bulk
     for rnd in range(5):
-        loader.sampler.set_epoch(100 + rnd)
+        loader.batch_sampler.set_epoch(100 + rnd)
         for images, _ in loader:
             normalize(images)
     data_s = (time.perf_counter() - t) / (5 * len(loader))

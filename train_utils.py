@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -164,18 +165,24 @@ EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run agai
 
 
 class StopRequest:
-    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), or by the
-    file named in $DDP_STOP_FILE (which the job scripts create when their shell is signalled, as
-    that reaches every rank on every node, in a container too). Ranks agree in `check`."""
+    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), by Ctrl-C
+    (SIGINT; a second one quits at once), or by the file named in $DDP_STOP_FILE (which the job
+    scripts create when their shell is signalled, as that reaches every rank on every node, in a
+    container too). Ranks agree in `check`."""
 
     def __init__(self):
         self.signal = None
         self.stop_file = os.environ.get("DDP_STOP_FILE")
         self.prev_sums = None  # the sums at the previous check (fp16's divergence test)
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            _say("\nSecond Ctrl-C: quitting now, without a checkpoint (the last one is intact).\n")
+            os._exit(130)
+        if signum == signal.SIGINT:
+            _say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to quit now.\n")
         self.signal = signal.Signals(signum).name
 
     def requested_here(self) -> bool:
@@ -230,6 +237,12 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
 
+def _say(text: str) -> None:
+    """Rank 0 writes `text` to stderr from a signal handler (print is not safe there)."""
+    if _IS_MAIN:
+        os.write(2, text.encode())
+
+
 def log(*args, **kwargs) -> None:
     """print on rank 0 only, flushed, so logs are not multiplied by the world size."""
     if _IS_MAIN:
@@ -243,11 +256,14 @@ class ProgressLog:
     def __init__(self, every: int):
         self.tty = _IS_MAIN and sys.stdout.isatty()
         self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
+        self.shown = False
 
     def due(self, step: int) -> bool:
-        return _IS_MAIN and self.every > 0 and step % self.every == 0
+        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
+        return _IS_MAIN and self.every > 0 and (step % self.every == 0 or not self.shown)
 
     def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        self.shown = True
         eta = elapsed / max(step, 1) * (steps - step)
         line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
                 f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
@@ -345,11 +361,161 @@ def check_writable(out_dir: str) -> None:
         raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
 
 
+# ----------------------------------------------------------------------------- one run per out-dir
+
+class OutDirLock:
+    """The out-dir belongs to one run at a time: rank 0 holds `run.lock` while it trains.
+
+    The file names its owner (host, process, Slurm job) and is touched every HEARTBEAT_S seconds.
+    A second run refuses to start while the owner lives. The lock never outlives its owner: it is
+    taken over when the owner's process is gone (same host), when it is an earlier run of the same
+    Slurm job or torchrun (a requeue, a restart: those end the old run first), or when its
+    heartbeat is older than STALE_S (its node died). It is created with link(2), which is atomic
+    on NFS, Lustre and GPFS too, and the owner re-reads it before each checkpoint, so even a lock
+    taken over by mistake cannot let two runs write one checkpoint."""
+    NAME, HEARTBEAT_S, STALE_S = "run.lock", 10.0, 60.0
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.path = out_dir, os.path.join(out_dir, self.NAME)
+        self.me = {"host": host_name(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+                   "slurm_job": os.environ.get("SLURM_JOB_ID"), "torchrun": os.environ.get("TORCHELASTIC_RUN_ID"),
+                   "token": os.urandom(8).hex(), "since": now_iso()}
+        self.note, self._done = None, threading.Event()
+
+    def acquire(self) -> "OutDirLock":
+        for _ in range(5):
+            tmp = f"{self.path}.{self.me['token']}"
+            with open(tmp, "w") as f:
+                json.dump(self.me, f)
+            try:
+                os.link(tmp, self.path)  # fails if the lock exists: no two runs can both succeed
+                break
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+            holder, age = self._read(age=True)
+            why_stale = self._why_stale(holder, age)
+            if why_stale is None:
+                raise UserError(f"--out-dir {self.out_dir} is in use by another run ({describe_owner(holder)}, alive "
+                                f"{age:.0f} s ago): wait for it to end or use another --out-dir (if that run is "
+                                f"surely gone, delete {self.path})")
+            self._break(holder)
+            self.note = f"took over {self.path} from {describe_owner(holder)}: {why_stale}"
+        else:
+            raise UserError(f"could not take {self.path}: other runs keep taking it; use another --out-dir")
+        threading.Thread(target=self._beat, name="out-dir heartbeat", daemon=True).start()
+        return self
+
+    def check(self) -> None:
+        """Raise unless this run still owns the out-dir (called before each checkpoint)."""
+        holder, _ = self._read()
+        if not holder or holder.get("token") != self.me["token"]:
+            raise UserError(f"another run took over --out-dir {self.out_dir} ({describe_owner(holder)}), so this one "
+                            f"stops without writing there; run one job per out-dir")
+
+    def release(self) -> None:
+        self._done.set()
+        holder, _ = self._read()
+        if holder and holder.get("token") == self.me["token"]:
+            os.unlink(self.path)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.HEARTBEAT_S):
+            try:
+                holder, _ = self._read()
+                if holder and holder.get("token") == self.me["token"]:
+                    os.utime(self.path)
+            except OSError:  # a filesystem hiccup: the next beat tries again
+                pass
+
+    def _read(self, age: bool = False):
+        """The owner's record, and with `age` the seconds since its last heartbeat by the filesystem's
+        clock (the nodes' clocks may differ from the file server's)."""
+        try:
+            with open(self.path) as f:
+                holder, mtime = json.load(f), os.fstat(f.fileno()).st_mtime
+        except (OSError, ValueError):
+            return None, 0.0
+        if not age:
+            return holder, 0.0
+        with tempfile.NamedTemporaryFile(dir=self.out_dir, prefix=".clock-") as probe:
+            now = os.fstat(probe.fileno()).st_mtime
+        return holder, max(0.0, now - mtime)
+
+    def _why_stale(self, holder, age: float) -> str | None:
+        if holder is None:
+            return "it was unreadable" if os.path.exists(self.path) else "it was just released"
+        if holder["host"] == self.me["host"]:
+            if _process_start(holder["pid"]) != holder.get("started"):
+                return f"its process {holder['pid']} is gone"
+            return None  # alive on this very host: another run (or another step of this job)
+        if self.me["slurm_job"] and holder.get("slurm_job") == self.me["slurm_job"]:
+            return f"it was an earlier run of this Slurm job {self.me['slurm_job']} (requeued)"
+        if self.me["torchrun"] not in (None, "none") and holder.get("torchrun") == self.me["torchrun"]:
+            return "it was an earlier attempt of this torchrun job (restarted)"
+        if age > self.STALE_S:
+            return f"no heartbeat for {age:.0f} s (its node is gone)"
+        return None
+
+    def _break(self, holder) -> None:
+        """Move the stale lock aside; of several runs racing for it, only one moves the same file."""
+        aside = f"{self.path}.stale.{self.me['token']}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            with open(aside) as f:
+                moved = json.load(f)
+        except (OSError, ValueError):
+            moved = None
+        if holder and moved and moved.get("token") != holder.get("token"):
+            try:  # we moved a fresh lock that another run had just taken: give it back
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+        os.unlink(aside)
+
+
+def _process_start(pid: int):
+    """The process's start time (clock ticks since boot), or None if there is no such process:
+    with the pid, it names a process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        try:
+            os.kill(pid, 0)
+            return 0  # alive, start time unknown (no /proc)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return 0
+
+
+def describe_owner(holder) -> str:
+    if not holder:
+        return "unknown"
+    job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    return f"host {holder['host']}, pid {holder['pid']}{job}, since {holder.get('since', '?')}"
+
+
 # ----------------------------------------------------------------------------- arguments
 
-def check_args(args, world_size: int) -> None:
+def explicit_flags(parser, argv) -> set:
+    """The flags given on the command line, as argparse dests (the rest are defaults)."""
+    import argparse
+    import copy
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
+
+
+def check_args(args, world_size: int, device: torch.device) -> None:
     """Reject bad input before any work, with one line that says what to change."""
-    if args.batch_size < 1 or args.batch_size % world_size:
+    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
         raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
                         f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
     try:
@@ -373,6 +539,11 @@ def check_args(args, world_size: int) -> None:
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
                             "(or pip install -e '.[tensorboard]')") from None
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
+                        f"(leave it out for no cap)")
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
     if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
         raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
 
@@ -396,50 +567,43 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) 
     return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
-def lr_lambda(steps_per_epoch: int, epochs: int, warmup_epochs: float, schedule: str):
-    """Multiplier of the peak LR at each step: linear warm-up, then cosine to 0 or the WRN paper's
-    steps (x0.2 at 30%, 60% and 80% of training)."""
-    total = steps_per_epoch * epochs
-    warmup = min(int(round(warmup_epochs * steps_per_epoch)), total)
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if schedule == "step":
-            return 0.2 ** sum(step >= m * total for m in (0.3, 0.6, 0.8))
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return f
+def lr_factor(start: float, end: float, epochs: int, warmup_epochs: float, schedule: str) -> float:
+    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
+    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
+    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
+    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
+    if start < warmup_epochs:
+        return min(1.0, end / warmup_epochs)
+    if schedule == "step":
+        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
+    progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# ----------------------------------------------------------------------------- evaluation
+def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
+    `micro_batch` samples (None: no cap, one step)."""
+    if not micro_batch or micro_batch >= per_rank_batch:
+        return 1
+    return next(a for a in range(1, per_rank_batch + 1) if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
 
-@torch.no_grad()
-def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -> dict:
-    """Loss, top-1 and top-5 accuracy over the whole test set, exact for any world size.
 
-    Each rank scores its own shard; the sums (not per-rank means) are all-reduced, so uneven
-    shards weigh correctly. The count check proves every test image was scored exactly once.
-    """
-    model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*n, top-1, top-5, n
-    for images, labels in loader:
-        images = normalize(images.to(device, non_blocking=True))
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            logits = model(images)
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
-        sums += torch.stack([loss.double(),
-                             (top5[:, 0] == labels).sum().double(),
-                             (top5 == labels[:, None]).any(dim=1).sum().double(),
-                             torch.full((), labels.numel(), dtype=torch.float64, device=device)])  # no host copy
-    all_reduce_sum(sums)
-    loss_sum, top1, top5_correct, count = sums.tolist()
-    if int(count) != expected_count:
-        raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
-    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5_correct / count,
-            "val_count": int(count)}
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ----------------------------------------------------------------------------- model state across ranks
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. In training each rank's
+    running statistics drift apart (each sees its own batches), and DDP only re-sends rank 0's at
+    the start of each training forward; evaluation uses the bare model, so it sends them here, on
+    every rank, whatever its test shard: every rank then evaluates the same model, and the one
+    rank 0 saves."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -475,7 +639,8 @@ def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
 class Progress:
     """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
     epoch: int = 0              # epochs completed
-    step: int = 0               # steps completed of epoch + 1
+    position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
+    step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
     sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
     elapsed_s: float = 0.0      # that epoch's training time so far
     history: list = field(default_factory=list)  # one metrics dict per completed epoch
@@ -514,6 +679,59 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
         raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move the checkpoint files "
                         f"away to start afresh")
     return None, None
+
+
+# What a checkpoint's run trained on: a run on other data must not continue it.
+DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
+# What builds the model: the weights only fit the same shapes.
+MODEL_FLAGS = ("depth", "widen_factor")
+# What --evaluate may take from the command line instead of the checkpoint.
+EVAL_OVERRIDES = ("data_dir", "device", "batch_size", "micro_batch", "workers", "loader", "amp", "timeout", "compile")
+# What a resumed run may change without a note: where and how it runs, not what it computes.
+QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
+                 "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
+
+
+def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
+    """Check this run's flags against the checkpoint it continues, and return notes on what changed.
+
+    Raises UserError if the data or the model differ: resuming would mix two runs. --evaluate takes
+    every flag it was not given from the checkpoint, so `--evaluate --out-dir D` is enough. A
+    training run keeps the checkpoint's --micro-batch unless given one, so a resume on fewer GPUs
+    keeps the per-GPU memory (and more accumulation steps keep the global batch)."""
+    if ckpt is None:
+        return []
+    saved = ckpt["config"]
+    if args.evaluate:
+        for key, value in saved.items():
+            if hasattr(args, key) and key not in explicit and key not in ("evaluate", "out_dir"):
+                setattr(args, key, value)
+    elif "micro_batch" not in explicit and saved.get("micro_batch_size"):
+        # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
+        args.micro_batch = saved.get("micro_batch") or saved["micro_batch_size"]
+    for key in DATA_FLAGS + MODEL_FLAGS:
+        if key in saved and getattr(args, key) != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            what = "data" if key in DATA_FLAGS else "model"
+            raise UserError(f"{flag} {getattr(args, key)} differs from the {saved[key]} of the checkpoint in "
+                            f"{args.out_dir}, which trained other {what}: use another --out-dir for a new run, or "
+                            f"{flag} {saved[key]} to continue it")
+    if args.evaluate:
+        return []
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in vars(args).items()
+               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + MODEL_FLAGS and saved[k] != v]
+    return ["resumed with changes: " + ", ".join(changed)] if changed else []
+
+
+def check_same_data(ckpt, fingerprints: dict, args) -> str | None:
+    """Why the data just loaded are not those the checkpoint saw (same flags, other files), or None."""
+    saved = (ckpt or {}).get("data", {})
+    for split, fp in fingerprints.items():
+        if split in saved and saved[split] != fp:
+            return (f"the {split} data in --data-dir {args.data_dir} differ from those the checkpoint in {args.out_dir} "
+                    f"was trained on (fingerprint {fp}, checkpoint {saved[split]}): point --data-dir at the same "
+                    f"data, or use another --out-dir for a new run")
+    return None
 
 
 def check_resumable(ckpt, path: str, model_config: dict, device: torch.device, evaluate_only: bool) -> str | None:

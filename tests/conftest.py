@@ -3,9 +3,11 @@ import hashlib
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -101,3 +103,51 @@ def learnable_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("learnable")
     write_cifar100(str(d), 3000, 500, archive=False)
     return str(d)
+
+
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers():
+    """A failed test must not leave torchrun and its ranks running into the next one."""
+    yield
+    while STARTED:
+        kill_all(STARTED.pop())
+
+
+def kill_all(proc):
+    """kill -9 of a launcher and its ranks (torchrun starts each rank in a session of its own)."""
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [proc.pid] + [int(p) for p in ranks]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def start(args, nproc=2, extra=(), env=None, torchrun=True):
+    """torchrun (or plain python) in the background, its output in a file; returns (process, log path)."""
+    log = os.path.join(str(args[args.index("--out-dir") + 1]) + ".log")
+    launcher = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra] if torchrun else [sys.executable]
+    cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
+    f = open(log, "w")
+    proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+    STARTED.append(proc)
+    return proc, log
+
+
+def wait_for(predicate, timeout=120, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def text(path):
+    with open(path) as f:
+        return f.read()

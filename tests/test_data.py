@@ -114,7 +114,8 @@ def test_test_shards_cover_every_image_exactly_once(world_size):
     data = du.ImageData(torch.from_numpy(index_images(301)), torch.arange(301))
     seen = []
     for rank in range(world_size):
-        _, test_loader = du.build_loaders(data, data, 16, rank, world_size, seed=0, workers=0, pin_memory=False)
+        _, test_loader = du.build_loaders(data, data, 16 * world_size, rank, world_size, 1, 16, seed=0, workers=0,
+                                          pin_memory=False)
         for images, labels in test_loader:
             seen += (images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()).tolist()
     assert sorted(seen) == list(range(301))
@@ -139,16 +140,18 @@ def test_hash_is_the_same_on_ints_and_tensors():
                                                   for t in tensors]
 
 
-@pytest.mark.parametrize("world_size,start", [(1, 0), (3, 0), (2, 64), (3, 96)])
-def test_gpu_and_torch_loaders_yield_identical_batches(world_size, start):
+@pytest.mark.parametrize("world_size,accum,start", [(1, 1, 0), (3, 1, 0), (2, 1, 64), (3, 1, 96), (2, 2, 64)])
+def test_gpu_and_torch_loaders_yield_identical_batches(world_size, accum, start):
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
     for rank in range(world_size):
-        torch_train, torch_test = du.build_loaders(data, data, 32, rank, world_size, 5, 0, False)
-        dev_train, dev_test = du.build_loaders(data, data, 32, rank, world_size, 5, 0, False, device=torch.device("cpu"))
+        batch = 32 * world_size
+        torch_train, torch_test = du.build_loaders(data, data, batch, rank, world_size, accum, 32, 5, 0, False)
+        dev_train, dev_test = du.build_loaders(data, data, batch, rank, world_size, accum, 32, 5, 0, False,
+                                               device=torch.device("cpu"))
         for epoch in (1, 2):
-            torch_train.sampler.set_epoch(epoch, start=start)
-            dev_train.sampler.set_epoch(epoch, start=start)
+            torch_train.batch_sampler.set_epoch(epoch, start=start)
+            dev_train.batch_sampler.set_epoch(epoch, start=start)
             a, b = list(torch_train), list(dev_train)
             assert len(a) == len(b) == len(dev_train) == len(torch_train)
             for (xa, ya), (xb, yb) in zip(a, b):

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, TORCHRUN, launch, load_model_state, read_json, read_jsonl
+from conftest import ROOT, TINY, TORCHRUN, launch, load_model_state, read_json, read_jsonl, start, text, wait_for
 from dataset_utils import EpochSampler
 from train_utils import StopRequest, UserError, load_latest_checkpoint, save_checkpoint
 
@@ -33,51 +33,12 @@ def assert_same_weights(out_dir, reference):
     assert got["progress"]["epoch"] == reference["progress"]["epoch"]
     for k, v in reference["model"].items():
         assert torch.equal(got["model"][k], v), k
-    assert got["scheduler"]["last_epoch"] == reference["scheduler"]["last_epoch"]
-
-
-STARTED = []
-
-
-@pytest.fixture(autouse=True)
-def kill_leftovers():
-    """A failed test must not leave torchrun and its ranks running into the next one."""
-    yield
-    while STARTED:
-        proc = STARTED.pop()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def start(args, nproc=2, extra=(), env=None):
-    """torchrun in the background, its output in a file; returns (process, log path)."""
-    log = os.path.join(str(args[args.index("--out-dir") + 1]) + ".log")
-    cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra, os.path.join(ROOT, "train_ddp.py")]
-    f = open(log, "w")
-    proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
-    STARTED.append(proc)
-    return proc, log
-
-
-def wait_for(predicate, timeout=120, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    assert got["progress"]["position"] == reference["progress"]["position"]
 
 
 def workers_of(proc):
     out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     return sorted(int(p) for p in out)
-
-
-def text(path):
-    with open(path) as f:
-        return f.read()
 
 
 def test_killed_rank_restarts_and_ends_with_identical_weights(tmp_path, reference):
@@ -156,21 +117,32 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     second = launch([*run, "--out-dir", out], nproc=3)
     assert "Global batch 48 = 3 ranks x 16" in second.stdout
     ckpt = load_model_state(out)
-    assert ckpt["scheduler"]["last_epoch"] == 2 * 14  # ceil(640 / 48) steps per epoch, on any world size
+    assert ckpt["progress"]["epoch"] == 2 and len(read_jsonl(out / "metrics.jsonl")) == 2
     assert read_json(out / "summary.json")["finished"] is True
 
 
-@pytest.mark.parametrize("first,second", [(2, 3), (3, 2), (4, 1)])
-def test_sampler_resumed_on_another_world_size_sees_the_rest_of_the_epoch(first, second):
-    n, batch, done_steps = 600, 48, 5
-    seen = []
-    for ws, start in ((first, 0), (second, done_steps * batch)):
+@pytest.mark.parametrize("first,second", [((2, 1, 48), (3, 1, 48)), ((3, 1, 48), (2, 1, 48)), ((4, 1, 48), (1, 1, 48)),
+                                          ((2, 1, 64), (2, 1, 32)), ((2, 2, 64), (1, 1, 24)), ((1, 4, 32), (3, 2, 96)),
+                                          ((2, 1, 2), (3, 1, 3))])
+def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epoch(first, second):
+    """(world size, accumulation steps, global batch) before and after a mid-epoch resume."""
+    n, done_steps = 601, 5
+    seen, position = [], done_steps * first[2]
+    for (ws, accum, batch), start in ((first, 0), (second, position)):
+        shards = []
         for rank in range(ws):
-            s = EpochSampler(range(n), num_replicas=ws, rank=rank, seed=3)
+            s = EpochSampler(n, batch, rank, ws, accum, seed=3)
             s.set_epoch(7, start=start)
-            shard = [i for _, i in s]
-            seen += shard[: done_steps * batch // ws] if start == 0 else shard
-    assert sorted(seen) == list(range(n))  # the first ranks' steps, then everything else, once
+            steps = list(s)
+            assert len(steps) == len(s)
+            shards.append(steps[:done_steps] if start == 0 else steps)
+            seen += [i for keys in shards[-1] for e, i in keys if e == 7]
+        assert len({len(sh) for sh in shards}) == 1, "every rank takes the same number of steps"
+        assert all(len({len(sh[k]) for sh in shards}) == 1 for k in range(len(shards[0]))), "of equal size"
+    # The first run's steps, then the rest of the epoch: every sample at least once, and only the
+    # padding of the last step (to a multiple of the ranks) twice.
+    assert set(seen) == set(range(n))
+    assert len(seen) - n < second[0] * second[1]
 
 
 def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_path):

@@ -22,10 +22,10 @@ def test_device_loader_on_the_gpu_matches_the_cpu_loader_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
     for rank in range(2):
-        cpu_train, cpu_test = du.build_loaders(data, data, 32, rank, 2, 5, 0, False)
-        gpu_train, gpu_test = du.build_loaders(data, data, 32, rank, 2, 5, 0, False, device=torch.device("cuda"))
-        cpu_train.sampler.set_epoch(3, start=64)
-        gpu_train.sampler.set_epoch(3, start=64)
+        cpu_train, cpu_test = du.build_loaders(data, data, 64, rank, 2, 1, 32, 5, 0, False)
+        gpu_train, gpu_test = du.build_loaders(data, data, 64, rank, 2, 1, 32, 5, 0, False, device=torch.device("cuda"))
+        cpu_train.batch_sampler.set_epoch(3, start=64)
+        gpu_train.batch_sampler.set_epoch(3, start=64)
         pairs = list(zip(cpu_train, gpu_train)) + list(zip(cpu_test, gpu_test))
         assert len(pairs) == len(cpu_train) + len(cpu_test)
         for (xa, ya), (xb, yb) in pairs:

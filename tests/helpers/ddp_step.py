@@ -20,7 +20,7 @@ args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor"
 env = read_dist_env()
 init_distributed(env, timeout_s=60)
 data = du.load_split("synthetic", "", True, size=batch)
-loader, _ = du.build_loaders(data, data, batch // env.world_size, env.rank, env.world_size, seed=0,
+loader, _ = du.build_loaders(data, data, batch, env.rank, env.world_size, 1, batch, seed=0,
                              workers=0, pin_memory=False)
 seed_everything(0)
 model = train_ddp.build_model(args)
@@ -30,14 +30,12 @@ for m in model.modules():
 if env.world_size > 1:
     model = DDP(model)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 scaler = torch.amp.GradScaler("cpu", enabled=False)
 normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
-loader.sampler.set_epoch(1)
+loader.batch_sampler.set_epoch(1)
 images, labels = next(iter(loader))
 assert len(labels) == batch // env.world_size, "one step of one global batch"
-train_ddp.train_step(model, images, labels, normalize, optimizer, scheduler, scaler,
-                     torch.nn.CrossEntropyLoss(), None)
+train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, torch.nn.CrossEntropyLoss(), None, 1)
 if env.is_main:
     torch.save(unwrap(model).state_dict(), out)
 if env.world_size > 1:

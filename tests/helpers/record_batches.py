@@ -15,11 +15,11 @@ data_dir, out, per_rank_batch, epochs, workers = sys.argv[1], sys.argv[2], *map(
 env = read_dist_env()
 init_distributed(env, timeout_s=60)
 train = du.load_split("cifar100", data_dir, True)
-loader, _ = du.build_loaders(train, train, per_rank_batch, env.rank, env.world_size, seed=0,
-                             workers=workers, pin_memory=False)
+loader, _ = du.build_loaders(train, train, per_rank_batch * env.world_size, env.rank, env.world_size, 1,
+                             per_rank_batch, seed=0, workers=workers, pin_memory=False)
 record = {}
 for epoch in range(1, epochs + 1):
-    loader.sampler.set_epoch(epoch)  # as train_ddp.py does
+    loader.batch_sampler.set_epoch(epoch)  # as train_ddp.py does
     seen = []
     for images, labels in loader:
         ids = images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()
