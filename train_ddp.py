@@ -222,6 +222,7 @@ def main(args, explicit=frozenset()) -> int:
     try:
         env.device = pick_device(args.device, env.local_rank)
         init_distributed(env, args.timeout)
+        check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
         if not args.evaluate:  # rank 0 owns the out-dir for the whole run; evaluation only reads it
             agree_on_error(catch_user_error(check_writable, args.out_dir)[1] if env.is_main else None)
             lock, err = catch_user_error(lambda: OutDirLock(args.out_dir).acquire()) if env.is_main else (None, None)
@@ -233,7 +234,6 @@ def main(args, explicit=frozenset()) -> int:
             raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
         notes, err = catch_user_error(reconcile_with_checkpoint, args, explicit, ckpt)
         agree_on_error(err)
-        check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
         agree_on_error(check_resumable(ckpt, ckpt_path, model_config(args), env.device, args.evaluate))
         amp_dtype = resolve_amp(args.amp, env.device)
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels

@@ -84,7 +84,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, referenc
     (out / ".checkpoint.pt.x1y2.tmp").write_bytes(data[:1000])  # a write killed halfway
     second = launch([*RUN, "--out-dir", out], nproc=2)
     assert "cannot be loaded" in second.stderr and f"using the older {previous}" in second.stderr
-    assert "Resumed from" in second.stdout and "steps of the next" in second.stdout  # the mid-epoch one
+    assert "Resumed from" in second.stdout and "steps) of the next" in second.stdout  # the mid-epoch one
     assert_same_weights(out, reference)
     kept = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint"))
     assert kept == ["checkpoint.1.pt", "checkpoint.pt"]  # --keep-checkpoints 2

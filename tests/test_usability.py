@@ -145,7 +145,7 @@ def test_progress_is_one_live_line_on_a_terminal(tmp_path):
         chunks.append(data)
     assert proc.wait(timeout=300) == 0
     out = b"".join(chunks).decode()
-    # 20 steps: the line is redrawn in place (\r) every 10 steps, then cleared before the epoch's lines.
-    assert re.findall(r"\r  epoch 1 step (\d+)/20 \| \d+ img/s", out) == ["10", "20"]
+    # 20 steps: the line is drawn after the first step, redrawn in place (\r) every 10, then cleared.
+    assert re.findall(r"\r  epoch 1 step (\d+)/20 \| \d+ img/s", out) == ["1", "10", "20"]
     assert not re.search(r"^  epoch \d step", out, re.M)
     assert "Epoch 1/1 completed in" in out
