@@ -50,7 +50,7 @@ def get_args_parser():
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as in train_ddp.py")
     p.add_argument("--compare-seed", action="store_true", help="also time the seed's pipeline, same device, same run")
     p.add_argument("--cpu-checks", action="store_true", help="augmentation per core, and loop overhead vs a bare loop")
-    p.add_argument("--json", default="", help="write the results here (default: bench-<device>-<ws>x.json)")
+    p.add_argument("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
     return p
 
 
@@ -354,8 +354,10 @@ def main(args):
                 seed["images_per_s"] = args.batch_size / seed["step_s"]
                 result["seed"], result["speedup_vs_seed"] = seed, ips / seed["images_per_s"]
                 log(f"seed pipeline: {seed['images_per_s']:.0f} img/s; ours is {result['speedup_vs_seed']:.2f}x")
-        path = args.json or f"bench-{''.join(c if c.isalnum() else '_' for c in result['device'])[:40]}-{env.world_size}x.json"
+        name = f"bench-{''.join(c if c.isalnum() else '_' for c in result['device'])[:40]}-{env.world_size}x.json"
+        path = args.json or os.path.join("runs", "bench", name)  # runs/ is git-ignored
         if env.is_main:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             write_json(path, result)
             log(f"wrote {path}")
     finally:

@@ -1,7 +1,7 @@
 """Plots from run directories and benchmark results, as PNG files (needs matplotlib: pip install -e '.[plot]').
 
-    python plot.py runs/wrn runs/other --out plots/      # loss, accuracy and throughput per epoch
-    python plot.py --scaling bench-results/*.json --out plots/   # img/s and efficiency against GPUs
+    python plot.py runs/wrn runs/other --out runs/plots  # loss, accuracy and throughput per epoch
+    python plot.py --scaling bench-results/*.json --out runs/plots  # img/s and efficiency against GPUs
 """
 import argparse
 import json
@@ -24,7 +24,11 @@ def read_metrics(run_dir: str) -> list:
     if not os.path.exists(path):
         sys.exit(f"error: {path} does not exist: pass directories that train_ddp.py wrote (--out-dir)")
     with open(path) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    if not rows:
+        sys.exit(f"error: {run_dir} has no finished epoch yet (metrics.jsonl gets a row at the end of each "
+                 f"epoch): plot it again after the first")
+    return rows
 
 
 def plot_runs(run_dirs: list, out_dir: str) -> dict:
@@ -88,7 +92,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="run directories, or with --scaling benchmark JSON files")
     p.add_argument("--scaling", action="store_true", help="the paths are bench.py JSON results")
-    p.add_argument("--out", default="plots", help="directory for the PNG files")
+    p.add_argument("--out", default="runs/plots", help="directory for the PNG files")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     figures = (plot_scaling if args.scaling else plot_runs)(args.paths, args.out)

@@ -149,3 +149,20 @@ def test_progress_is_one_live_line_on_a_terminal(tmp_path):
     assert re.findall(r"\r  epoch 1 step (\d+)/20 \| \d+ img/s", out) == ["1", "10", "20"]
     assert not re.search(r"^  epoch \d step", out, re.M)
     assert "Epoch 1/1 completed in" in out
+
+
+def test_plot_of_a_run_with_no_finished_epoch_says_so_and_outputs_go_where_git_ignores(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")  # what a run interrupted in its first epoch leaves
+    proc = launch([run, "--out", tmp_path / "plots"], torchrun=False, script="plot.py", check=False)
+    assert proc.returncode == 1 and f"error: {run} has no finished epoch yet" in proc.stderr
+    assert not (tmp_path / "plots").exists() or not os.listdir(tmp_path / "plots")
+    import subprocess
+    from conftest import ROOT
+    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "runs/plots/loss.png", "runs/bench/bench-cpu-1x.json"],
+                             capture_output=True, text=True)
+    if ignored.returncode != 128:  # 128: not a git checkout
+        assert ignored.stdout.split() == ["runs/plots/loss.png", "runs/bench/bench-cpu-1x.json"]
+    for script, default in (("plot.py", "runs/plots"), ("bench.py", "runs/bench/")):
+        assert default in open(os.path.join(ROOT, script)).read()
