@@ -34,9 +34,6 @@ def test_ranks_times_accumulation_steps_constant_gives_the_same_training(runs):
     assert "Global batch 64 = 2 ranks x 2 accumulation steps x 16;" in procs[2].stdout
     assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in procs[1].stdout
     ref = load_model_state(base / "w4")
-    init = torch.manual_seed(0) and None
-    moved = max((ref["model"][k].float().abs().sum()).item() for k in ref["model"])
-    assert moved > 0
     for ranks in (2, 1):
         got = load_model_state(base / f"w{ranks}")
         assert_close_models(ref, got)  # BN running statistics included: rank 0 keeps micro-step 0's
@@ -45,7 +42,6 @@ def test_ranks_times_accumulation_steps_constant_gives_the_same_training(runs):
             assert a["train_samples"] == b["train_samples"] == 320  # every sample once per epoch
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
-    del init
 
 
 def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(runs, tmp_path):
