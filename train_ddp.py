@@ -33,7 +33,7 @@ from model import WideResNet
 from train_utils import (EXIT_STOPPED, OutDirLock, Progress, ProgressLog, StopRequest, UserError,
                          accumulation_steps, agree_on_error, all_gather, all_reduce_sum, broadcast_buffers,
                          catch_user_error, check_args, check_resumable, check_same_data, check_writable,
-                         default_workers, describe_model, describe_timeout, explicit_flags, host_name,
+                         default_workers, describe_comm_failure, describe_model, explicit_flags, host_name,
                          init_distributed, load_latest_checkpoint, log, loss_stats, lr_factor, now_iso,
                          open_tensorboard, pick_device, read_dist_env, reconcile_with_checkpoint, resolve_amp,
                          run_record, save_checkpoint, scaled_lr, seed_everything, set_lr, unwrap, write_json,
@@ -489,7 +489,7 @@ if __name__ == "__main__":
               file=sys.stderr, flush=True)
         sys.exit(130)
     except RuntimeError as e:  # a hung or dead peer: say so on every rank, not after a wall of C++ frames
-        if (why := describe_timeout(e, args.timeout)) is None:
+        if (why := describe_comm_failure(e, args.timeout)) is None:
             raise
         print(f"error: rank {os.environ.get('RANK', 0)}: {why}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -100,8 +100,14 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
     if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps one store across --max-restarts, so restarted ranks would read the dead
         # ranks' gloo addresses (or NCCL id) and wait for them forever: a fresh namespace per attempt.
+        # The attempt count is each agent's own, so this is exact on one node only; with several
+        # agents, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see below).
         store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+        if env.is_main and env.world_size > env.local_world_size and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+            print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node joining "
+                  "can hang the other nodes (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                  "before torchrun, as jobs/multinode.sh does", file=sys.stderr, flush=True)
     try:
         dist.init_process_group(backend, store=store, rank=env.rank if store else -1,
                                 world_size=env.world_size if store else -1, timeout=timeout,
@@ -120,12 +126,17 @@ def _is_timeout(e: Exception) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def describe_timeout(e: Exception, timeout_s: float) -> str | None:
-    """A one-line explanation if `e` is a collective that timed out (a hung or dead peer), else None."""
-    if not _is_timeout(e):
-        return None
-    return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
-            f"(send it SIGUSR2 to see where it is stuck); {str(e).splitlines()[0][:300]}")
+def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
+    """A one-line explanation if `e` is a collective that failed for want of a peer (hung: a
+    timeout; dead: its connection closed), else None."""
+    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if _is_timeout(e):
+        return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
+                f"(send it SIGUSR2 to see where it is stuck); {first}")
+    if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
+        return (f"lost another rank (its process or node died): {first}; the last checkpoint is intact, "
+                f"and torchrun --max-restarts (or a requeue) resumes from it")
+    return None
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
 #   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs
 #   sbatch --nodes=4 jobs/multinode.sh --epochs 100 --batch-size 2048
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multinode.sh
+#   MIN_NODES=1 sbatch --no-kill jobs/multinode.sh             # elastic: survive losing nodes (below)
 #SBATCH --job-name=wrn_multinode
 #SBATCH --output=multinode_%j.out
 #SBATCH --error=multinode_%j.err
@@ -40,8 +41,28 @@ job_summary
 # MASTER_PORT is derived from the job id; NPROC is the GPUs granted per node.
 echo "=== torchrun: $SLURM_JOB_NUM_NODES nodes x $NPROC processes, rendezvous at $MASTER_ADDR:$MASTER_PORT"
 
+# torchrun shares its rendezvous store with the ranks by default, and each node counts its own
+# restarts, so after one node's restart (or a node joining) the nodes can wait for each other in
+# different namespaces for ever (pytorch/pytorch#135712). Without sharing, rank 0 hosts a fresh
+# store for every round of the rendezvous.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+# Elastic (MIN_NODES < the job's nodes): when a node dies, torchrun restarts the survivors at the
+# smaller world size, and they resume from the last checkpoint with more accumulation steps (same
+# global batch, same LR schedule); the steps since that checkpoint are lost. Slurm must let the job
+# outlive the node: submit with `sbatch --no-kill`, and srun must neither kill the step nor the other
+# tasks when one task dies (--no-kill, --kill-on-bad-exit=0). The rendezvous runs on the first node:
+# losing that one ends the job. Set --checkpoint-every to bound what a loss costs.
+NODES=("--nnodes=$SLURM_JOB_NUM_NODES")
+SRUN_FAILURE=(--kill-on-bad-exit=1)
+if [[ -n "${MIN_NODES:-}" && "$MIN_NODES" -lt "$SLURM_JOB_NUM_NODES" ]]; then
+    NODES=("--nnodes=$MIN_NODES:$SLURM_JOB_NUM_NODES" "--max-restarts=${MAX_RESTARTS:-3}")
+    SRUN_FAILURE=(--no-kill --kill-on-bad-exit=0)
+    echo "=== elastic: keeps training on $MIN_NODES to $SLURM_JOB_NUM_NODES nodes, up to ${MAX_RESTARTS:-3} restarts"
+fi
+
 # One srun task per node; each runs torchrun, which starts NPROC ranks on its node.
-run_requeueable srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${LAUNCH[@]}" \
-    torchrun --nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC" \
+run_requeueable srun "${SRUN_FAILURE[@]}" --ntasks-per-node=1 "${LAUNCH[@]}" \
+    torchrun "${NODES[@]}" --nproc_per_node="$NPROC" \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
     train_ddp.py "$@"

@@ -97,6 +97,15 @@ def load_model_state(out_dir):
     return torch.load(os.path.join(out_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
 
 
+def assert_close_models(a, b, tol=2e-4):
+    """Two checkpoints' models agree to float tolerance (BN's counters exactly)."""
+    for k, v in a["model"].items():
+        if v.is_floating_point():
+            assert torch.allclose(v, b["model"][k], atol=tol, rtol=tol), (k, (v - b["model"][k]).abs().max())
+        else:
+            assert torch.equal(v, b["model"][k]), k
+
+
 @pytest.fixture(scope="session")
 def learnable_dir(tmp_path_factory):
     """An extracted CIFAR-100-format dataset that a tiny WRN can learn."""

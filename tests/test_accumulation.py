@@ -1,22 +1,13 @@
 """Same math on any number of ranks: gradient accumulation as virtual ranks (--micro-batch), a resume
 on fewer ranks with more accumulation steps, and the edge cases of --micro-batch and --sync-bn."""
 import pytest
-import torch
 
-from conftest import TINY, launch, load_model_state, read_jsonl
+from conftest import TINY, assert_close_models, launch, load_model_state, read_jsonl
 from train_utils import accumulation_steps
 
 # 4 virtual ranks of 16: 256 samples / 64 = 4 steps per epoch; BatchNorm in train mode, no dropout.
 RUN = ["--dataset", "synthetic", "--train-size", 320, "--test-size", 50, "--batch-size", 64, "--epochs", 2,
        "--micro-batch", 16, "--base-lr", 0.8, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
-
-
-def assert_close_models(a, b, tol=2e-4):
-    for k, v in a["model"].items():
-        if v.is_floating_point():
-            assert torch.allclose(v, b["model"][k], atol=tol, rtol=tol), (k, (v - b["model"][k]).abs().max())
-        else:
-            assert torch.equal(v, b["model"][k]), k
 
 
 @pytest.fixture(scope="module")
