@@ -267,6 +267,7 @@ def cpu_checks(args):
     model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler, loss_fn = torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss()
+    sum_loss = nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
     small = du.ImageData(data.images[:batch * 20], data.labels[:batch * 20])
     loader, _ = du.build_loaders(small, small, batch, 0, 1, 1, batch, 0, 0, False, device=device)
     ready = [(normalize(x), y) for x, y in loader]
@@ -277,7 +278,8 @@ def cpu_checks(args):
         t = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64)
         for step, (images, labels) in enumerate(loader, 1):  # as in train_ddp.py's loop
-            sums += train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, None, 1)
+            sums += train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None,
+                                         [len(labels)], len(labels))
             if step % train_ddp.STOP_CHECK_EVERY == 0:
                 stop.check(device, sums, False)
         return (time.perf_counter() - t) / len(loader)

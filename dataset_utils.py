@@ -7,6 +7,7 @@ CPU cost per image tiny, which matters on clusters with few cores per GPU.
 Random augmentation is a pure function of (seed, epoch, sample index), so it does
 not depend on the number of ranks or workers, or on whether the run was resumed.
 """
+import functools
 import hashlib
 import os
 import pickle
@@ -16,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
@@ -230,8 +231,9 @@ class EpochSampler:
     accum_steps virtual ranks: virtual rank v takes every V-th position from v. Rank r's k-th
     accumulation micro-step is virtual rank r + k x world_size, so W ranks x A micro-steps train
     on exactly the micro-batches that W x A ranks would. Each step yields rank r's A micro-batches
-    back to back; the training step splits them. The rest of the epoch is padded with its first
-    samples to a multiple of V, so every rank takes the same number of equal steps."""
+    back to back; the training step splits them (`micro_batch_sizes`). Nothing is padded or dropped:
+    the epoch's last, short step deals what is left the same way, so some micro-batches there are
+    one sample smaller, or empty, and every rank still takes the same number of steps."""
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
                  seed: int = 0):
@@ -245,21 +247,30 @@ class EpochSampler:
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
-    def _rest(self) -> list:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.n, generator=g).tolist()
-        rest = order[self.start:]
-        pad = (-len(rest)) % self.virtual
-        return rest + (order * (pad // self.n + 1))[:pad]
-
     def __iter__(self):
-        rest, v, b = self._rest(), self.virtual, self.micro_batch
-        shards = [rest[self.rank + k * self.world_size::v] for k in range(self.accum_steps)]
-        for first in range(0, len(shards[0]), b):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        rest = torch.randperm(self.n, generator=g).tolist()[self.start:]
+        shards = [rest[self.rank + k * self.world_size::self.virtual] for k in range(self.accum_steps)]
+        b = self.micro_batch
+        for first in range(0, len(self) * b, b):
             yield [(self.epoch, i) for shard in shards for i in shard[first:first + b]]
 
     def __len__(self) -> int:
         return -(-max(self.n - self.start, 0) // self.batch_size)
+
+
+def micro_batch_sizes(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
+    """The sizes of rank `rank`'s micro-batches in a global step of `step_samples` samples, as
+    EpochSampler deals them: virtual rank v = rank + k * world_size takes every V-th sample from v."""
+    v = world_size * accum_steps
+    return [len(range(rank + k * world_size, step_samples, v)) for k in range(accum_steps)]
+
+
+def _collate(shape, batch):
+    """default_collate, and empty tensors for an empty batch (a rank with nothing left in the last step)."""
+    if not batch:
+        return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
+    return default_collate(batch)
 
 
 def build_loaders(train: ImageData, test: ImageData, batch_size: int, rank: int, world_size: int,
@@ -275,6 +286,7 @@ def build_loaders(train: ImageData, test: ImageData, batch_size: int, rank: int,
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
     # it starts an epoch, which would make dropout depend on whether the run was resumed.
     train_loader = DataLoader(CIFARDataset(train, augment=True, seed=seed), batch_sampler=sampler,
+                              collate_fn=functools.partial(_collate, tuple(train.images.shape[1:])),
                               **_loader_options(workers, pin_memory, seed))
     return train_loader, test_loader
 

@@ -113,23 +113,27 @@ def load_data(args, env, train: bool = True):
     return splits
 
 
-def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, accum_steps: int):
-    """One optimizer step on this rank's share of a global batch, in `accum_steps` equal micro-batches.
+def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes, step_samples):
+    """One optimizer step on this rank's share of a global batch of `step_samples` samples, in
+    micro-batches of `micro_sizes` (dataset_utils.micro_batch_sizes). `loss_fn` sums over its batch.
     Returns this step's loss sums (loss_stats), on the device: reading the loss on the host here
     would stall the GPU every step."""
     device = normalize.scale.device
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
     optimizer.zero_grad(set_to_none=True)
+    # DDP averages the ranks' gradients, so each rank divides its sum by the step's samples per rank:
+    # the update is then the mean over the whole global batch, even when the last step is uneven.
+    per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
-    for k, (x, y) in enumerate(zip(images.chunk(accum_steps), labels.chunk(accum_steps))):
-        last = k == accum_steps - 1
+    for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
+        last = k == len(micro_sizes) - 1
         with nullcontext() if last else no_sync(model):  # DDP averages the gradients over all ranks once, in the last backward
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = loss_fn(model(x), y)
-            scaler.scale(loss / accum_steps).backward()  # the mean over the rank's whole batch
+                loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
+            scaler.scale(loss / per_rank).backward()
         stats = stats + loss_stats(loss.detach(), y.numel())
-        if accum_steps > 1 and k == 0:  # BN running stats as if micro-step k were rank r + k * world_size:
+        if len(micro_sizes) > 1 and k == 0:  # BN running stats as if micro-step k were rank r + k * world_size:
             kept_buffers = [b.detach().clone() for b in unwrap(model).buffers()]  # rank 0 keeps only k = 0's
     if kept_buffers is not None:
         for b, kept in zip(unwrap(model).buffers(), kept_buffers):
@@ -157,11 +161,14 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, amp_dt
     steps_per_epoch = progress.step + len(loader_sampler)
     t0 = time.perf_counter() - progress.elapsed_s
     for images, labels in loader:
+        step_samples = min(args.batch_size, n_train - progress.position)  # the last step may be short
+        done = progress.position + step_samples
         # The LR follows the samples seen, so a resume with another batch size keeps its schedule.
-        done = min(n_train, progress.position + labels.numel() * env.world_size)
         set_lr(optimizer, peak_lr * lr_factor(epoch - 1 + progress.position / n_train, epoch - 1 + done / n_train,
                                               args.epochs, args.warmup_epochs, args.lr_schedule))
-        sums += train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, accum_steps)
+        micro_sizes = dataset_utils.micro_batch_sizes(step_samples, env.rank, env.world_size, accum_steps)
+        sums += train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes,
+                           step_samples)
         progress.position, progress.step = done, progress.step + 1
         if progress_log.due(progress.step):
             progress_log.show(epoch, progress.step, steps_per_epoch, done, sums[0].item() / max(sums[1].item(), 1),
@@ -304,7 +311,7 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing, reduction="sum")  # train_step averages
     seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
 
     # ------------------------------------------------------------------ resume

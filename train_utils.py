@@ -227,12 +227,12 @@ class StopRequest:
         return bool(stop)
 
 
-def loss_stats(loss: torch.Tensor, n: int) -> torch.Tensor:
-    """This step's share of the epoch's sums: loss * n if the loss is finite, n if it is, and n.
-    Device tensors only, so nothing waits for the GPU."""
-    finite = torch.isfinite(loss)
-    one = torch.ones((), dtype=torch.float64, device=loss.device)
-    return torch.stack([torch.where(finite, loss.double(), 0.0), finite.double(), one]) * n
+def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
+    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
+    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
+    finite = torch.isfinite(loss_sum)
+    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
+    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:

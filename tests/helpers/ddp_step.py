@@ -35,7 +35,8 @@ normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
 loader.batch_sampler.set_epoch(1)
 images, labels = next(iter(loader))
 assert len(labels) == batch // env.world_size, "one step of one global batch"
-train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, torch.nn.CrossEntropyLoss(), None, 1)
+sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
+train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None, [len(labels)], batch)
 if env.is_main:
     torch.save(unwrap(model).state_dict(), out)
 if env.world_size > 1:

@@ -46,7 +46,8 @@ normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device)
 loader.batch_sampler.set_epoch(1)
 for step, (images, labels) in enumerate(loader):
     assert len(labels) == batch // env.world_size, "one step of one global batch"
-    train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, torch.nn.CrossEntropyLoss(), None, 1)
+    sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
+    train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None, [len(labels)], batch)
     break
 if env.is_main:
     torch.save({k: v.cpu() for k, v in unwrap(model).state_dict().items()}, out)
