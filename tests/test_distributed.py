@@ -20,10 +20,10 @@ def test_each_epoch_visits_every_sample_once_in_a_new_order(tmp_path, world_size
     for epoch in ("1", "2", "3"):
         shards = record[epoch]
         assert len(shards) == world_size
-        assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
-        visited = sorted(i for s in shards for i in s)
+        assert len({s["steps"] for s in shards}) == 1  # every rank takes the same number of steps
+        visited = sorted(i for s in shards for i in s["ids"])
         assert visited == list(range(n)), f"epoch {epoch}: not every sample exactly once"
-        orders.append(shards)
+        orders.append([s["ids"] for s in shards])
     assert orders[0] != orders[1] != orders[2] and orders[0] != orders[2]
 
 
