@@ -15,7 +15,6 @@ The places marked ADAPT are where you plug in your own data and model.
 import argparse
 import faulthandler
 import json
-import math
 import os
 import signal
 import sys
@@ -44,6 +43,8 @@ STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
+                                epilog="The defaults are the seed's 5-epoch smoke run; the full recipe (the WRN paper's "
+                                       "WRN-16-8, 200 epochs) is RECIPE in jobs/lib.sh, which the job scripts run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # The seed script's flags keep their meaning.
     p.add_argument("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")

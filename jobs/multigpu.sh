@@ -1,11 +1,11 @@
 #!/bin/bash
 # One node, N GPUs: torchrun --standalone starts one process per GPU that Slurm granted.
 #
-#   sbatch jobs/multigpu.sh                                     # the defaults below
+#   sbatch jobs/multigpu.sh                                     # a full WRN-16-8 run (RECIPE in jobs/lib.sh)
 #   sbatch --gpus=2 --time=00:30:00 jobs/multigpu.sh --epochs 30  # any #SBATCH line, overridden
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multigpu.sh         # inside Apptainer (see jobs/wrn-ddp.def)
 #
-# Arguments after the script go to train_ddp.py. Submit from the project directory (or set
+# Arguments after the script go to train_ddp.py after the recipe, so they override it. Submit from the project directory (or set
 # PROJECT_DIR): the log, the data (./datasets) and the runs (./runs) are relative to it.
 #SBATCH --job-name=wrn_multigpu
 #SBATCH --output=multigpu_%j.out
@@ -28,9 +28,10 @@ set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
+print_recipe "$@"
 
 # NPROC (lib.sh): one process per GPU that Slurm granted on this node.
 echo "=== torchrun: 1 node x $NPROC processes"
 
 run_requeueable "${LAUNCH[@]}" torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" \
-    train_ddp.py "$@"
+    train_ddp.py "${RECIPE[@]}" "$@"

@@ -2,7 +2,7 @@
 # N nodes x G GPUs: srun starts one torchrun per node; they meet through c10d rendezvous on the
 # allocation's first node and start G processes each.
 #
-#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs
+#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs, the full recipe (jobs/lib.sh)
 #   sbatch --nodes=4 jobs/multinode.sh --epochs 100 --batch-size 2048
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multinode.sh
 #   MIN_NODES=1 sbatch --no-kill jobs/multinode.sh             # elastic: survive losing nodes (below)
@@ -25,6 +25,7 @@ set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
+print_recipe "$@"
 
 # NCCL knobs: uncomment what your cluster needs (see the README's troubleshooting section).
 # GPUs on different CPU sockets with broken peer-to-peer (DAIC, some PCIe boxes): hangs at the first all-reduce.
@@ -65,4 +66,4 @@ fi
 run_requeueable srun "${SRUN_FAILURE[@]}" --ntasks-per-node=1 "${LAUNCH[@]}" \
     torchrun "${NODES[@]}" --nproc_per_node="$NPROC" \
     --rdzv_id="$SLURM_JOB_ID" --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
-    train_ddp.py "$@"
+    train_ddp.py "${RECIPE[@]}" "$@"

@@ -3,7 +3,7 @@
 # size from SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS, and the master from the
 # allocation. Works on one node or several.
 #
-#   sbatch jobs/srun_direct.sh
+#   sbatch jobs/srun_direct.sh                      # the full recipe (RECIPE in jobs/lib.sh)
 #   sbatch --nodes=2 jobs/srun_direct.sh --epochs 30
 #SBATCH --job-name=wrn_srun
 #SBATCH --output=srun_%j.out
@@ -24,7 +24,8 @@ set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
+print_recipe "$@"
 
 # Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
 # each task to one GPU by default, which would leave every rank asking for GPU local_rank).
-run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" python train_ddp.py "$@"
+run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" python train_ddp.py "${RECIPE[@]}" "$@"

@@ -64,7 +64,7 @@ def index_images(n):
     return imgs
 
 
-def write_cifar100(data_dir, n_train, n_test, kind="learnable", archive=True, seed=0):
+def write_cifar100(data_dir, n_train, n_test, kind="learnable", archive=True, seed=0, noise=24.0):
     """Write data_dir/cifar-100-python.tar.gz (and return its md5), in the layout and pickle format
     of the official archive: cifar-100-python/{train,test,meta}, dicts with 'data' (N, 3072) uint8
     rows in CHW order, 'fine_labels', 'coarse_labels', 'filenames' and 'batch_label'."""
@@ -73,7 +73,7 @@ def write_cifar100(data_dir, n_train, n_test, kind="learnable", archive=True, se
     os.makedirs(folder, exist_ok=True)
     for split, n in (("train", n_train), ("test", n_test)):
         labels = np.arange(n) % 100 if kind == "index" else rng.integers(0, 100, size=n)
-        imgs = index_images(n) if kind == "index" else learnable_images(labels, rng)
+        imgs = index_images(n) if kind == "index" else learnable_images(labels, rng, noise)
         entry = {"filenames": [f"img_{i}.png" for i in range(n)], "batch_label": f"{split} batch 1 of 1",
                  "fine_labels": [int(x) for x in labels], "coarse_labels": [int(x) // 5 for x in labels],
                  "data": imgs.reshape(n, 3072)}

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, TORCHRUN, launch, load_model_state, read_json, read_jsonl, start, text, wait_for
+from conftest import ROOT, TINY, launch, load_model_state, read_json, read_jsonl, start, text, wait_for
 from dataset_utils import EpochSampler, micro_batch_sizes
 from train_utils import StopRequest, UserError, load_latest_checkpoint, save_checkpoint
 
@@ -128,18 +128,18 @@ def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epo
     """(world size, accumulation steps, global batch) before and after a mid-epoch resume."""
     n, done_steps = 601, 5
     seen, position = [], done_steps * first[2]
-    for (ws, accum, batch), start in ((first, 0), (second, position)):
+    for (ws, accum, batch), begin in ((first, 0), (second, position)):
         shards = []
         for rank in range(ws):
             s = EpochSampler(n, batch, rank, ws, accum, seed=3)
-            s.set_epoch(7, start=start)
+            s.set_epoch(7, start=begin)
             steps = list(s)
             assert len(steps) == len(s)
-            shards.append(steps[:done_steps] if start == 0 else steps)
+            shards.append(steps[:done_steps] if begin == 0 else steps)
             seen += [i for keys in shards[-1] for e, i in keys if e == 7]
         assert len({len(sh) for sh in shards}) == 1, "every rank takes the same number of steps"
         for k in range(len(shards[0])):  # the micro-batches train_step will split, the short last step's too
-            step_samples = min(batch, n - start - k * batch)
+            step_samples = min(batch, n - begin - k * batch)
             assert [len(sh[k]) for sh in shards] == [sum(micro_batch_sizes(step_samples, r, ws, accum))
                                                      for r in range(ws)]
     # The first run's steps, then the rest of the epoch: every sample exactly once, nothing padded.

@@ -76,6 +76,11 @@ def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
     assert "Training completed successfully." in text
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["gpus_per_node"] == 2 and summary["nodes"] == 1
+    # The job runs the recipe of jobs/lib.sh (printed at the start), and the arguments after the script win.
+    assert "=== recipe (jobs/lib.sh): --depth 16 --widen-factor 8" in text
+    config = summary["config"]
+    assert config["nesterov"] and config["lr_schedule"] == "step" and config["reference_batch_size"] == 128
+    assert (config["depth"], config["epochs"], config["batch_size"]) == (10, 2, 32)
     assert summary["epochs_completed"] == 2 and summary["finished"] is True
 
 
