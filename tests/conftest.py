@@ -32,6 +32,13 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     return proc
 
 
+def job_recipe() -> list:
+    """RECIPE from jobs/lib.sh, as bash expands it: the arguments every job script puts first."""
+    out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && printf "%s\\n" "${RECIPE[@]}"'],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]

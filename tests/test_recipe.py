@@ -1,18 +1,10 @@
 """The recipe the job scripts run (RECIPE in jobs/lib.sh), and the LR rule that carries a tuned run
 to a larger global batch."""
 import re
-import subprocess
 import tempfile
 
-from conftest import ROOT, TINY, launch, read_jsonl, write_cifar100
+from conftest import ROOT, TINY, job_recipe, launch, read_jsonl, write_cifar100
 from train_ddp import get_args_parser
-
-
-def job_recipe() -> list:
-    """RECIPE from jobs/lib.sh, as bash expands it."""
-    out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && printf "%s\\n" "${RECIPE[@]}"'],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return out.splitlines()
 
 
 def test_the_job_recipe_is_the_wrn_papers_carried_to_its_batch_and_arguments_override_it():

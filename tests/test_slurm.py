@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, launch, load_model_state, read_json
+from conftest import ROOT, TINY, job_recipe, launch, load_model_state, read_json
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # The job scripts' #SBATCH defaults ask for a real GPU node; only what this host lacks is overridden.
@@ -126,7 +126,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slur
     assert not [f for f in os.listdir(ROOT) if f.startswith(".ddp-stop-")]  # the stop file is cleaned up
 
     reference = tmp_path / "reference"
-    launch([*train, "--out-dir", reference], nproc=2)
+    launch([*job_recipe(), *train, "--out-dir", reference], nproc=2)  # what the job ran: its recipe, then ours
     a, b = load_model_state(out), load_model_state(reference)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
