@@ -730,7 +730,8 @@ def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
     if args.evaluate:
         return []
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in vars(args).items()
-               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + MODEL_FLAGS and saved[k] != v]
+               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + MODEL_FLAGS and saved[k] != v
+               and (k != "micro_batch" or k in explicit)]  # a kept per-rank memory cap is no change
     return ["resumed with changes: " + ", ".join(changed)] if changed else []
 
 

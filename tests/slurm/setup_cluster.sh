@@ -2,16 +2,30 @@
 # Install and start a local two-node Slurm cluster (node1, node2) on this single
 # machine, so that tests can `sbatch` real job scripts.
 #
-# - Both nodes are slurmd daemons on this host (slurmd -N node1 / -N node2),
-#   listening on different ports, sharing the real CPUs (CPUs=2 each).
-# - Each node advertises Gres=gpu:2 backed by empty placeholder files, so Slurm
-#   grants --gpus / --gpus-per-node and sets SLURM_GPUS_ON_NODE (there is no
-#   real GPU).
-# - Daemons are started directly (no systemd). Re-running the script kills the
-#   previous daemons, rewrites the config and starts them again with a clean
-#   job state (idempotent).
+# - Each node is a host of its own on the network: a network namespace
+#   (slurmtest-node1, slurmtest-node2) with its own address on a private test
+#   subnet (node1 10.213.0.1, node2 10.213.0.2), joined by a veth pair each to a
+#   bridge on the host (10.213.0.254), and a UTS namespace whose hostname is
+#   the node's name. Its slurmd runs inside both, so every job step, torchrun
+#   agent and rank it starts does too: ranks on different nodes can only meet
+#   through the nodes' addresses, never through a shared loopback. The
+#   namespaces have no default route, and the host does not forward: the only
+#   addresses they reach are theirs, the bridge's and their own loopback.
+# - slurmctld runs on the host and listens on the bridge's address, which both
+#   nodes reach; munge's socket is a unix socket, shared by all namespaces.
+# - /etc/hosts maps node1 and node2 to their addresses; each node also gets its
+#   own copy (/etc/netns/<namespace>/hosts, which `ip netns exec` mounts over
+#   /etc/hosts), as each real host has its own.
+# - Both nodes share the real CPUs (CPUs=2 each) and advertise Gres=gpu:2
+#   backed by placeholder device nodes, so Slurm grants --gpus and
+#   --gpus-per-node and sets SLURM_GPUS_ON_NODE (there is no real GPU).
+# - Daemons are started directly (no systemd). Re-running the script stops the
+#   previous cluster (tests/slurm/stop_cluster.sh), rewrites the config and
+#   starts it again with a clean job state (idempotent). It refuses to touch a
+#   Slurm config, namespace, link or subnet that it did not create (exit 3).
 #
-# Run as root. Stop everything with tests/slurm/stop_cluster.sh.
+# Run as root; without CAP_NET_ADMIN (no network namespaces) it exits 4.
+# Stop everything, namespaces and links included, with tests/slurm/stop_cluster.sh.
 set -euo pipefail
 
 if [[ $(id -u) -ne 0 ]]; then
@@ -30,22 +44,71 @@ SLURM_LOG_DIR=/var/log/slurm
 FAKE_GPU_DIR=/var/lib/slurm-fake-gpu
 STATE_DIR=/var/spool/slurmctld
 CTLD_PORT=6817
-NODE1_PORT=6818
-NODE2_PORT=6819
+SLURMD_PORT=6818  # each slurmd on its own node's address
 NODES=(node1 node2)
 HOST=$(hostname)
 WAIT_SECS=${SLURM_SETUP_WAIT_SECS:-60}
+HERE=$(dirname "${BASH_SOURCE[0]}")
+# shellcheck source=tests/slurm/cluster_net.sh
+source "$HERE/cluster_net.sh"
 
 # ---------------------------------------------------------------- packages
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 \
-    || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+    || ! command -v sbatch >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1 \
+    || ! command -v ip >/dev/null 2>&1 || ! command -v unshare >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+    apt-get install -y -qq slurmctld slurmd slurm-client munge iproute2 util-linux >/dev/null
 fi
 
-# ---------------------------------------------------------------- stop old daemons
-bash "$(dirname "${BASH_SOURCE[0]}")/stop_cluster.sh" >/dev/null
+# ---------------------------------------------------------------- stop the old cluster
+bash "$HERE/stop_cluster.sh" >/dev/null
+
+# ---------------------------------------------------------------- network: one host per node
+# Refuse names and a subnet that something else uses (stop_cluster.sh removed all that was ours).
+for n in "${NODES[@]}"; do
+    if ip netns list | grep -qw "$(netns_of "$n")"; then
+        echo "setup_cluster.sh: network namespace $(netns_of "$n") exists and was not made by this script; refusing to touch it" >&2
+        exit 3
+    fi
+done
+for link in "$BRIDGE" "$(veth_of node1)" "$(veth_of node2)"; do
+    if ip link show "$link" >/dev/null 2>&1; then
+        echo "setup_cluster.sh: network link $link exists and was not made by this script; refusing to touch it" >&2
+        exit 3
+    fi
+done
+if ip -4 -o addr show | grep -q " inet $NET_PREFIX\." || ip -4 route show | grep -q "^$NET_PREFIX\."; then
+    echo "setup_cluster.sh: the test subnet $NET_PREFIX.0/24 is already in use on this machine; refusing to add to it:" >&2
+    ip -4 -o addr show | grep " inet $NET_PREFIX\." >&2 || true
+    ip -4 route show | grep "^$NET_PREFIX\." >&2 || true
+    exit 3
+fi
+probe="slurmtest-probe-$$"
+if ! err=$(ip netns add "$probe" 2>&1); then
+    echo "setup_cluster.sh: cannot create a network namespace (needs CAP_NET_ADMIN; in a container, --privileged or --cap-add NET_ADMIN): $err" >&2
+    exit 4
+fi
+ip netns delete "$probe"
+
+install -d -m 0755 "$(dirname "$OWNED")"
+own() { echo "$1 $2" >>"$OWNED"; }  # recorded before it is made, so that a failed setup is cleaned up too
+own link "$BRIDGE"
+ip link add "$BRIDGE" type bridge
+ip addr add "$BRIDGE_ADDR/24" dev "$BRIDGE"
+ip link set "$BRIDGE" up
+for n in "${NODES[@]}"; do
+    ns=$(netns_of "$n") veth=$(veth_of "$n")
+    own netns "$ns"
+    ip netns add "$ns"
+    own link "$veth"
+    ip link add "$veth" type veth peer name eth0 netns "$ns"
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr add "${NODE_ADDR[$n]}/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    # No default route: from the node, only the test subnet and its own loopback exist.
+done
 
 # ---------------------------------------------------------------- munge
 MUNGE_KEY=/etc/munge/munge.key
@@ -79,9 +142,24 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 # ---------------------------------------------------------------- hosts
-if ! grep -Eq '^127\.0\.0\.1[[:space:]]+node1[[:space:]]+node2([[:space:]]|$)' /etc/hosts; then
-    echo "127.0.0.1 node1 node2" >>/etc/hosts
-fi
+# node1 and node2 resolve to their own addresses, on the host and on each node. An earlier version
+# of this script put both on loopback ("127.0.0.1 node1 node2"): that line goes, since the first
+# match wins. Rewritten in place, as /etc/hosts may be a bind mount.
+hosts=$(grep -vF "$HOSTS_TAG" /etc/hosts | grep -Ev '^127\.0\.0\.1[[:space:]]+node1[[:space:]]+node2[[:space:]]*$' || true)
+{
+    printf '%s\n' "$hosts"
+    for n in "${NODES[@]}"; do
+        echo "${NODE_ADDR[$n]} $n $HOSTS_TAG"
+    done
+} >/etc/hosts
+# Each node's own /etc/hosts, which `ip netns exec` mounts over /etc/hosts for its slurmd and all
+# that it starts (a test may rewrite it in place to break one node's name resolution).
+for n in "${NODES[@]}"; do
+    ns=$(netns_of "$n")
+    own dir "/etc/netns/$ns"
+    install -d -m 0755 "/etc/netns/$ns"
+    cp /etc/hosts "/etc/netns/$ns/hosts"
+done
 
 # ---------------------------------------------------------------- directories
 install -d -m 0755 "$SLURM_ETC" "$SLURM_LOG_DIR" "$STATE_DIR"
@@ -107,11 +185,12 @@ done
 
 # ---------------------------------------------------------------- slurm.conf
 cat >"$SLURM_ETC/slurm.conf" <<EOF
-# Generated by tests/slurm/setup_cluster.sh -- local two-node test cluster.
+# Generated by tests/slurm/setup_cluster.sh -- local two-node test cluster, one network namespace per node.
 ClusterName=testcluster
 MailProg=/bin/true
-SlurmctldHost=${HOST}(127.0.0.1)
+SlurmctldHost=${HOST}(${BRIDGE_ADDR})
 SlurmctldPort=${CTLD_PORT}
+SlurmdPort=${SLURMD_PORT}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -130,7 +209,7 @@ SlurmctldLogFile=${SLURM_LOG_DIR}/slurmctld.log
 SlurmdLogFile=${SLURM_LOG_DIR}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
-# Two slurmd on one host share the real cores; accept the declared hardware.
+# The two nodes share the real cores; accept the declared hardware.
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -152,8 +231,8 @@ InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=60
 Waittime=0
-NodeName=node1 NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=${NODE1_PORT} CPUs=2 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
-NodeName=node2 NodeHostname=${HOST} NodeAddr=127.0.0.1 Port=${NODE2_PORT} CPUs=2 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
+NodeName=node1 NodeHostname=node1 NodeAddr=${NODE_ADDR[node1]} CPUs=2 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
+NodeName=node2 NodeHostname=node2 NodeAddr=${NODE_ADDR[node2]} CPUs=2 RealMemory=8000 Gres=gpu:2 State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 
@@ -174,8 +253,11 @@ done
 
 # -c: start with a clean job state; -i: ignore unreadable state files.
 slurmctld -c -i
+# Each slurmd in its node's network namespace, and in a UTS namespace named after the node, as on a
+# host of its own: what resolves the hostname (torchrun's rendezvous, gloo) gets the node's address.
 for n in "${NODES[@]}"; do
-    slurmd -N "$n"
+    # shellcheck disable=SC2016
+    ip netns exec "$(netns_of "$n")" unshare --uts sh -c 'hostname "$1" && exec slurmd -N "$1"' sh "$n"
 done
 
 # ---------------------------------------------------------------- wait
@@ -210,4 +292,12 @@ while true; do
     sleep 1
 done
 
-echo "setup_cluster.sh: Slurm cluster up (nodes node1,node2 idle; partition debug; 2 fake GPUs per node)"
+# Node to node, across the bridge (a host firewall filtering bridged traffic would stop it here).
+if ! ip netns exec "$(netns_of node2)" timeout 5 bash -c "exec 3<>/dev/tcp/node1/$SLURMD_PORT" 2>/dev/null; then
+    echo "setup_cluster.sh: node2 cannot reach node1 (${NODE_ADDR[node1]}:$SLURMD_PORT) across $BRIDGE;" \
+         "is bridged traffic filtered (sysctl net.bridge.bridge-nf-call-iptables, iptables FORWARD)?" >&2
+    exit 1
+fi
+
+echo "setup_cluster.sh: Slurm cluster up (node1 ${NODE_ADDR[node1]}, node2 ${NODE_ADDR[node2]}, each in its own" \
+     "network namespace; slurmctld on $BRIDGE_ADDR; partition debug; 2 fake GPUs per node)"
