@@ -261,7 +261,7 @@ def cpu_checks(args):
     # The training loop's own overhead: our loop (device loader, normalisation, loss bookkeeping,
     # the stop check every 10 steps) against a bare loop over ready-made batches.
     import train_ddp
-    from train_utils import StopRequest
+    from train_utils import STOP_CHECK_EVERY, StopRequest
     torch.set_num_threads(os.cpu_count() or 1)
     device, batch = torch.device("cpu"), args.batch_size
     model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
@@ -280,7 +280,7 @@ def cpu_checks(args):
         for step, (images, labels) in enumerate(loader, 1):  # as in train_ddp.py's loop
             sums += train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None,
                                          [len(labels)], len(labels))
-            if step % train_ddp.STOP_CHECK_EVERY == 0:
+            if step % STOP_CHECK_EVERY == 0:
                 stop.check(device, sums, False)
         return (time.perf_counter() - t) / len(loader)
 

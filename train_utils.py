@@ -1,4 +1,5 @@
-"""Helpers for train_ddp.py: distributed setup, rank-0 output, exact evaluation, checkpoints."""
+"""Helpers for train_ddp.py, grouped by concern; each group says what it is for. train_ddp.py holds
+the recipe; what is here is the machinery it calls by name."""
 import datetime
 import json
 import math
@@ -8,10 +9,13 @@ import socket
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass, field
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 class UserError(Exception):
@@ -19,6 +23,7 @@ class UserError(Exception):
 
 
 # ----------------------------------------------------------------------------- distributed setup
+# Who this process is (torchrun, srun or plain python), its device, and the process group.
 
 @dataclass
 class DistEnv:
@@ -121,27 +126,29 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
             f"check that every node started and can reach that address, or raise --timeout") from None
 
 
-def _is_timeout(e: Exception) -> bool:
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text
+def host_name() -> str:
+    """The node's name: Slurm's when under Slurm (several slurmd may share one test host)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
-    """A one-line explanation if `e` is a collective that failed for want of a peer (hung: a
-    timeout; dead: its connection closed), else None."""
-    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    if _is_timeout(e):
-        return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
-                f"(send it SIGUSR2 to see where it is stuck); {first}")
-    if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
-        return (f"lost another rank (its process or node died): {first}; the last checkpoint is intact, "
-                f"and torchrun --max-restarts (or a requeue) resumes from it")
-    return None
+def gather_ranks(env: DistEnv) -> list:
+    """Every rank's host and device, indexed by rank: the node count, and run.json's record."""
+    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+                       "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
 
+
+# ----------------------------------------------------------------------------- across ranks
+# Collectives, and errors every rank takes the same way, so none is left waiting for another.
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
 
@@ -170,9 +177,229 @@ def catch_user_error(fn, *args, **kwargs):
         return None, str(e)
 
 
-# ----------------------------------------------------------------------------- stopping on request
+def leave_on_user_error(e: UserError) -> int:
+    """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
+    soon as one exits and rank 0 must have said why first. Returns the exit status, 2."""
+    log(f"error: {e}", file=sys.stderr)
+    if dist.is_initialized():
+        dist.barrier()
+    elif not _is_main():
+        time.sleep(5)
+    return 2
+
+
+def _is_timeout(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
+    """A one-line explanation if `e` is a collective that failed for want of a peer (hung: a
+    timeout; dead: its connection closed), else None."""
+    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if _is_timeout(e):
+        return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
+                f"(send it SIGUSR2 to see where it is stuck); {first}")
+    if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
+        return (f"lost another rank (its process or node died): {first}; the last checkpoint is intact, "
+                f"and torchrun --max-restarts (or a requeue) resumes from it")
+    return None
+
+
+def run_cli(main, args, explicit: set) -> int:
+    """main(args, explicit), minus the tracebacks a user should not have to read: Ctrl-C before the
+    training loop (which turns later ones into a checkpointed stop), and a hung or dead peer, said in
+    one line on every rank instead of a wall of C++ frames."""
+    rank = os.environ.get("RANK", 0)
+    try:
+        return main(args, explicit)
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        return 130
+    except RuntimeError as e:
+        if (why := describe_comm_failure(e, args.timeout)) is None:
+            raise
+        print(f"error: rank {rank}: {why}", file=sys.stderr, flush=True)
+        return 1
+
+
+# ----------------------------------------------------------------------------- arguments and the shape of a run
+# Bad input refused in one line; the batch split, the LR, and the config that records them.
+
+def explicit_flags(parser, argv) -> set:
+    """The flags given on the command line, as argparse dests (the rest are defaults)."""
+    import argparse
+    import copy
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_args(argv)))
+
+
+def check_args(args, world_size: int, device: torch.device) -> None:
+    """Reject bad input before any work, with one line that says what to change."""
+    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
+        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
+                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
+    try:
+        from model import check_depth
+        check_depth(args.depth)
+    except ValueError as e:
+        raise UserError(f"--depth: {e}") from None
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
+    if not 0.0 <= args.target_accuracy <= 1.0:
+        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
+    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                            "(or pip install -e '.[tensorboard]')") from None
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
+                        f"(leave it out for no cap)")
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
+    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
+        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
+
+
+def resolve_amp(amp: str, device: torch.device):
+    """The autocast dtype, or None for full fp32."""
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
+
+
+def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
+    `micro_batch` samples (None: no cap, one step)."""
+    if not micro_batch or micro_batch >= per_rank_batch:
+        return 1
+    return next(a for a in range(1, per_rank_batch + 1) if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
+
+
+def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
+    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
+    ratio = batch_size / reference_batch
+    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def lr_factor(start: float, end: float, epochs: int, warmup_epochs: float, schedule: str) -> float:
+    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
+    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
+    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
+    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
+    if start < warmup_epochs:
+        return min(1.0, end / warmup_epochs)
+    if schedule == "step":
+        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
+    progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def run_config(args, env: DistEnv, ranks: list, per_rank_batch: int, accum_steps: int, lr: float, amp_dtype) -> dict:
+    """Every flag, and what this run made of them: printed once, stored in every checkpoint and record."""
+    return {**vars(args), "world_size": env.world_size, "nodes": len({r["host"] for r in ranks}),
+            "per_rank_batch": per_rank_batch, "accumulation_steps": accum_steps,
+            "micro_batch_size": per_rank_batch // accum_steps, "lr": lr,
+            "num_workers": args.workers if args.workers >= 0 else default_workers(env),
+            "device_type": env.device.type, "amp_dtype": str(amp_dtype)}
+
+
+def data_device(args, device: torch.device):
+    """Where the loaders keep the data: the GPU (--loader gpu, the default on CUDA), or None for
+    DataLoaders with CPU workers."""
+    return device if args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda") else None
+
+
+# ----------------------------------------------------------------------------- the model across ranks
+# The bare model under DDP and compile, DDP's no_sync, BatchNorm buffers, and seeding.
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP and torch.compile, so saved keys carry no module./_orig_mod. prefix."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on its device; on CUDA in channels_last, the layout cuDNN's fastest convolutions want."""
+    return model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
+
+
+def no_sync(model):
+    """DDP's no_sync (skip the gradient all-reduce) through torch.compile's wrapper; a no-op without DDP."""
+    ddp = getattr(model, "_orig_mod", model)
+    return ddp.no_sync() if isinstance(ddp, DDP) else nullcontext()
+
+
+def restore_buffers(model: torch.nn.Module, kept: list) -> None:
+    """Put back copies taken of unwrap(model).buffers() (BatchNorm's running statistics)."""
+    for buffer, saved in zip(unwrap(model).buffers(), kept):
+        buffer.copy_(saved)
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. In training each rank's
+    running statistics drift apart (each sees its own batches), and DDP only re-sends rank 0's at
+    the start of each training forward; evaluation uses the bare model, so it sends them here, on
+    every rank, whatever its test shard: every rank then evaluates the same model, and the one
+    rank 0 saves."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+# ----------------------------------------------------------------------------- the training loop
+# What each step needs, the loss sums, and the agreed stops: signals, the stop file, a non-finite loss.
+
+@dataclass
+class RunContext:
+    """What train_one_epoch needs besides the model, the optimizer and the data; made once by train()."""
+    args: object                 # the flags
+    env: DistEnv                 # rank, world size, device
+    amp_dtype: object            # the autocast dtype, or None for fp32
+    peak_lr: float               # the LR scaled for the global batch, before warm-up and schedule
+    accum_steps: int             # micro-steps per optimizer step on each rank
+    n_train: int                 # training samples per epoch
+    stop: "StopRequest"          # signals and the stop file, agreed on by all ranks
+    progress_log: "ProgressLog"  # rank 0's progress lines
+    save_state: object           # writes a checkpoint; every rank calls it
+
+
+def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
+    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
+    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
+    finite = torch.isfinite(loss_sum)
+    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
+    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
+
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run again (requeue) to resume
+
+
+STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
 
 
 class StopRequest:
@@ -227,36 +454,57 @@ class StopRequest:
         return bool(stop)
 
 
-def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
-    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
-    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
-    finite = torch.isfinite(loss_sum)
-    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
-    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
+def stop_or_checkpoint_mid_epoch(run: RunContext, progress, sums: torch.Tensor, t0: float, allow_nonfinite: bool) -> bool:
+    """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
+    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
+    args, step = run.args, progress.step
+    checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
+    if step % STOP_CHECK_EVERY and not checkpoint_due:
+        return False
+    stopping = run.stop.check(run.env.device, sums, allow_nonfinite)  # all ranks agree
+    if stopping or checkpoint_due:
+        progress.elapsed_s = time.perf_counter() - t0
+        progress.sums = all_reduce_sum(sums.clone()).tolist()
+        run.save_state()
+    if stopping:
+        log(f"Stop requested ({run.stop.signal or 'on another rank'}) in epoch {progress.epoch + 1} after step {step}: "
+            f"checkpoint saved in {args.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
+    return stopping
 
 
-def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+def after_epoch(progress, stop: StopRequest, stopping: bool, epoch: int, args) -> str | None:
+    """What follows a checkpointed epoch: "end" (early stopping, --stop-after-epoch: the summary comes
+    next), "exit" (a stop request: exit EXIT_STOPPED, to be resumed), or None (the next epoch)."""
+    if progress.stopped_early:
+        log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
+        return "end"
+    if stopping and epoch < args.epochs:
+        log(f"Stop requested ({stop.signal or 'on another rank'}) after epoch {epoch}: checkpoint saved; "
+            f"exiting with status {EXIT_STOPPED} to be resumed.")
+        return "exit"
+    if epoch == args.stop_after_epoch and epoch < args.epochs:
+        log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
+        return "end"
+    return None
 
 
-# ----------------------------------------------------------------------------- output and seeding
+# ----------------------------------------------------------------------------- output on rank 0
+# One print for the whole job: the seed's lines, progress lines, and the run's files.
 
-_IS_MAIN = int(os.environ.get("RANK", "0")) == 0
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+def _is_main() -> bool:
+    """Rank 0 (or the only process), from RANK: torchrun sets it, and read_dist_env under srun alone."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _say(text: str) -> None:
     """Rank 0 writes `text` to stderr from a signal handler (print is not safe there)."""
-    if _IS_MAIN:
+    if _is_main():
         os.write(2, text.encode())
 
 
 def log(*args, **kwargs) -> None:
     """print on rank 0 only, flushed, so logs are not multiplied by the world size."""
-    if _IS_MAIN:
+    if _is_main():
         print(*args, **kwargs, flush=True)
 
 
@@ -265,13 +513,13 @@ class ProgressLog:
     steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
 
     def __init__(self, every: int):
-        self.tty = _IS_MAIN and sys.stdout.isatty()
+        self.tty = _is_main() and sys.stdout.isatty()
         self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
         self.shown = False
 
     def due(self, step: int) -> bool:
         """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
-        return _IS_MAIN and self.every > 0 and (step % self.every == 0 or not self.shown)
+        return _is_main() and self.every > 0 and (step % self.every == 0 or not self.shown)
 
     def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
         self.shown = True
@@ -280,9 +528,111 @@ class ProgressLog:
                 f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
 
+    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
+        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
+        if self.due(step):
+            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
+
     def clear(self) -> None:
         if self.tty:
             print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+def log_start(config: dict, env: DistEnv, notes: list) -> None:
+    """The seed's first two lines, then the config, the batch split and the LR, and any notes."""
+    unit = "GPUs" if env.device.type == "cuda" else "CPU processes"
+    log(f"Training started with {env.world_size} processes across {config['nodes']} nodes.")
+    log(f"Using {env.local_world_size} {unit} per node.")
+    log("Config: " + json.dumps(config))
+    accum = config["accumulation_steps"]
+    split = (f"{env.world_size} ranks x {accum} accumulation steps x {config['micro_batch_size']}" if accum > 1
+             else f"{env.world_size} ranks x {config['per_rank_batch']}")
+    log(f"Global batch {config['batch_size']} = {split}; LR {config['lr']:.4g} ({config['lr_scaling']} scaling of "
+        f"{config['base_lr']:g} from batch {config['reference_batch_size']})")
+    for note in notes:
+        log(f"note: {note}")
+
+
+def log_epoch(metrics: dict, epochs: int, n_finite: float) -> None:
+    """The seed's four lines per epoch, and a warning if fp16's scaler skipped steps."""
+    log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
+    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+    log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
+    log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
+    if n_finite < metrics["train_samples"]:
+        log(f"warning: {int(metrics['train_samples'] - n_finite)} samples had a non-finite fp16 loss; "
+            f"the scaler skipped their steps")
+
+
+def epoch_metrics(epoch: int, progress, val: dict, lr: float) -> dict:
+    """The epoch's row of metrics.jsonl: the training loss and samples (all-reduced), the test
+    metrics, the LR of its last step, and its time."""
+    loss_sum, n_finite, count = progress.sums
+    return {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1), "train_samples": int(count), **val,
+            "lr": lr, "epoch_time_s": progress.elapsed_s, "images_per_s": count / progress.elapsed_s}
+
+
+class Records:
+    """The run's files, written by rank 0: config.json, metrics.jsonl (a row per epoch; rows past the
+    checkpoint are dropped, as those epochs train again), run.json, TensorBoard; at the end
+    summary.json, and the seed's summary lines."""
+
+    def __init__(self, args, env: DistEnv, config: dict, ranks: list, epochs_done: int):
+        self.args, self.env, self.config, self.ranks = args, env, config, ranks
+        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+        self.record, self.tensorboard = None, None
+        if env.is_main:
+            write_json(os.path.join(args.out_dir, "config.json"), config)
+            lines = open(self.metrics_path).readlines() if os.path.exists(self.metrics_path) else []
+            write_text(self.metrics_path, "".join(ln for ln in lines if json.loads(ln)["epoch"] <= epochs_done))
+            self.record = run_record(config, ranks)
+            write_json(os.path.join(args.out_dir, "run.json"), self.record)
+            self.tensorboard = open_tensorboard(args.out_dir) if args.tensorboard else None
+
+    def add_epoch(self, metrics: dict) -> None:
+        if not self.env.is_main:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tensorboard:
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(key, value, metrics["epoch"])
+            self.tensorboard.flush()  # a preempted run keeps its curves too
+
+    def finish(self, progress, n_train: int, n_test: int) -> None:
+        env, history, total_s = self.env, progress.history, progress.total_time_s
+        summary = {
+            "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
+            "images_per_s": progress.total_images / total_s if total_s else 0.0,
+            "gpus_per_node": env.local_world_size, "device": env.device.type,
+            "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
+            "finished": progress.stopped_early or progress.epoch >= self.args.epochs,
+            "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
+            "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
+            "config": self.config,
+        }
+        if env.is_main:
+            write_json(os.path.join(self.args.out_dir, "summary.json"), summary)
+            write_json(os.path.join(self.args.out_dir, "run.json"), {**self.record, "end_time": now_iso()})
+            if self.tensorboard:
+                self.tensorboard.close()
+        log("\nTraining Summary:")
+        log(f"Total training time: {total_s:.3f} seconds")
+        log(f"Throughput: {summary['images_per_s']:.3f} images/second")
+        log(f"Number of nodes: {summary['nodes']}")
+        log(f"Number of GPUs per node: {env.local_world_size}")
+        log(f"Total GPUs used: {env.world_size}")
+        log("Training completed successfully." if summary["finished"] else
+            f"Training paused after epoch {progress.epoch} of {self.args.epochs}; run again to resume.")
+
+
+def record_evaluation(out_dir: str, metrics: dict, epoch: int, env: DistEnv, path: str) -> None:
+    """--evaluate's two lines, and eval.json."""
+    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+    log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
+    if env.is_main:
+        write_json(os.path.join(out_dir, "eval.json"), {**metrics, "epoch": epoch, "world_size": env.world_size,
+                                                        "checkpoint": path})
 
 
 def run_record(config: dict, ranks: list) -> dict:
@@ -317,10 +667,11 @@ def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
-def seed_everything(seed: int) -> None:
-    import random
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds every CUDA device too
+# ----------------------------------------------------------------------------- files
+# Atomic writes: a reader sees the old file or the new one, never half of one.
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def write_json(path: str, obj) -> None:
@@ -373,6 +724,18 @@ def check_writable(out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------- one run per out-dir
+# Two runs must never write one checkpoint; a dead run must not lock out the next.
+
+def lock_out_dir(out_dir: str, env: DistEnv):
+    """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
+    UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
+    agree_on_error(catch_user_error(check_writable, out_dir)[1] if env.is_main else None)
+    lock, err = catch_user_error(lambda: OutDirLock(out_dir).acquire()) if env.is_main else (None, None)
+    agree_on_error(err)
+    if lock and lock.note:
+        log(f"note: {lock.note}")
+    return lock
+
 
 class OutDirLock:
     """The out-dir belongs to one run at a time: rank 0 holds `run.lock` while it trains.
@@ -512,117 +875,32 @@ def describe_owner(holder) -> str:
     return f"host {holder['host']}, pid {holder['pid']}{job}, since {holder.get('since', '?')}"
 
 
-# ----------------------------------------------------------------------------- arguments
-
-def explicit_flags(parser, argv) -> set:
-    """The flags given on the command line, as argparse dests (the rest are defaults)."""
-    import argparse
-    import copy
-    probe = copy.deepcopy(parser)
-    for action in probe._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(probe.parse_args(argv)))
-
-
-def check_args(args, world_size: int, device: torch.device) -> None:
-    """Reject bad input before any work, with one line that says what to change."""
-    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
-        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
-                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
-    try:
-        from model import check_depth
-        check_depth(args.depth)
-    except ValueError as e:
-        raise UserError(f"--depth: {e}") from None
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
-    if not 0.0 <= args.target_accuracy <= 1.0:
-        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    if args.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                            "(or pip install -e '.[tensorboard]')") from None
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
-                        f"(leave it out for no cap)")
-    if args.sync_bn and device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
-    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
-        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
-
-
-def resolve_amp(amp: str, device: torch.device):
-    """The autocast dtype, or None for full fp32."""
-    if amp == "auto":
-        if device.type != "cuda":
-            return None
-        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
-        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
-
-
-
-# ----------------------------------------------------------------------------- learning rate
-
-def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
-    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
-    ratio = batch_size / reference_batch
-    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
-
-
-def lr_factor(start: float, end: float, epochs: int, warmup_epochs: float, schedule: str) -> float:
-    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
-    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
-    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
-    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
-    if start < warmup_epochs:
-        return min(1.0, end / warmup_epochs)
-    if schedule == "step":
-        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
-    progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
-    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
-    `micro_batch` samples (None: no cap, one step)."""
-    if not micro_batch or micro_batch >= per_rank_batch:
-        return 1
-    return next(a for a in range(1, per_rank_batch + 1) if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-# ----------------------------------------------------------------------------- model state across ranks
-
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics) on every rank. In training each rank's
-    running statistics drift apart (each sees its own batches), and DDP only re-sends rank 0's at
-    the start of each training forward; evaluation uses the bare model, so it sends them here, on
-    every rank, whatever its test shard: every rank then evaluates the same model, and the one
-    rank 0 saves."""
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-
-
 # ----------------------------------------------------------------------------- checkpoints
+# Written whole or not at all, read back with a fallback, and continued only by a run that may.
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under DDP and torch.compile, so saved keys carry no module./_orig_mod. prefix."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
+@dataclass
+class Progress:
+    """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
+    epoch: int = 0              # epochs completed
+    position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
+    step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
+    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
+    elapsed_s: float = 0.0      # that epoch's training time so far
+    history: list = field(default_factory=list)  # one metrics dict per completed epoch
+    total_time_s: float = 0.0
+    total_images: int = 0
+    stopped_early: bool = False
+
+    def finish_epoch(self, metrics: dict, patience: int, target_accuracy: float) -> None:
+        """Close a trained and evaluated epoch: keep its metrics, decide early stopping (from the
+        all-reduced accuracy, so every rank decides alike), and start the next at its beginning."""
+        self.history.append(metrics)
+        recent = [m["val_acc"] for m in self.history[-patience:]]
+        self.stopped_early = len(recent) == patience and min(recent) >= target_accuracy
+        self.epoch, self.position, self.step = metrics["epoch"], 0, 0
+        self.total_time_s += self.elapsed_s
+        self.total_images += int(self.sums[2])
+        self.sums, self.elapsed_s = [0.0] * 3, 0.0
 
 
 def checkpoint_paths(out_dir: str, keep: int) -> list:
@@ -646,18 +924,14 @@ def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
     _atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
 
 
-@dataclass
-class Progress:
-    """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
-    epoch: int = 0              # epochs completed
-    position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
-    step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
-    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
-    elapsed_s: float = 0.0      # that epoch's training time so far
-    history: list = field(default_factory=list)  # one metrics dict per completed epoch
-    total_time_s: float = 0.0
-    total_images: int = 0
-    stopped_early: bool = False
+def training_state(model, optimizer, scaler, progress: Progress, config: dict, model_config: dict,
+                   fingerprints: dict, device: torch.device) -> dict:
+    """Everything a resume needs. A collective: every rank calls it, as it gathers their RNG states."""
+    rng_cpu = all_gather(torch.get_rng_state())
+    rng_cuda = all_gather(torch.cuda.get_rng_state(device)) if device.type == "cuda" else []
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "progress": asdict(progress), "config": config, "model_config": model_config, "data": fingerprints,
+            "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
@@ -693,12 +967,31 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
 
 
 # What a checkpoint's run trained on: a run on other data must not continue it.
+
+
+def find_checkpoint(args, explicit: set, env: DistEnv, model_config):
+    """The checkpoint this run continues (or --evaluate scores), its path, and notes on what this run
+    changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it.
+    `model_config(args)` is asked for after --evaluate has taken the checkpoint's flags."""
+    found, err = catch_user_error(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    agree_on_error(err)
+    ckpt, path = found or (None, None)
+    if args.evaluate and ckpt is None:
+        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+    notes, err = catch_user_error(reconcile_with_checkpoint, args, explicit, ckpt)
+    agree_on_error(err)
+    agree_on_error(check_resumable(ckpt, path, model_config(args), env.device, args.evaluate))
+    return ckpt, path, notes
+
+
 DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
 # What builds the model: the weights only fit the same shapes.
+
+
 MODEL_FLAGS = ("depth", "widen_factor")
 # What --evaluate may take from the command line instead of the checkpoint.
-EVAL_OVERRIDES = ("data_dir", "device", "batch_size", "micro_batch", "workers", "loader", "amp", "timeout", "compile")
-# What a resumed run may change without a note: where and how it runs, not what it computes.
+
+
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
                  "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
 
@@ -764,6 +1057,32 @@ def describe_model(cfg: dict) -> str:
     return f"WRN-{cfg['depth']}-{cfg['widen_factor']} with {cfg['num_classes']} classes"
 
 
-def host_name() -> str:
-    """The node's name: Slurm's when under Slurm (several slurmd may share one test host)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+def restore_checkpoint(ckpt: dict, path: str, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:
+    """Load the checkpoint's state into this run's objects; say what changed. Returns its Progress."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["scaler"]:  # empty unless that run used fp16
+        scaler.load_state_dict(ckpt["scaler"])
+    saved = ckpt["config"]
+    state = dict(ckpt["progress"])
+    state.setdefault("position", state.get("step", 0) * saved["batch_size"])  # checkpoints that counted steps
+    progress = Progress(**state)
+    if saved["lr"] != config["lr"]:
+        log(f"note: the peak LR changed from {saved['lr']:.4g} to {config['lr']:.4g} on resume")
+    if saved["batch_size"] != args.batch_size:
+        log(f"note: the global batch changed from {saved['batch_size']} to {args.batch_size} on resume: the "
+            f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample "
+            f"{progress.position})")
+    if (saved.get("accumulation_steps", 1), saved.get("micro_batch_size")) != (
+            config["accumulation_steps"], config["micro_batch_size"]) and saved["world_size"] != env.world_size:
+        log(f"note: {saved['world_size']} ranks x {saved.get('accumulation_steps', 1)} accumulation steps x "
+            f"{saved.get('micro_batch_size', saved['per_rank_batch'])} before, {env.world_size} x "
+            f"{config['accumulation_steps']} x {config['micro_batch_size']} now: the same global batch")
+    progress.step = -(-progress.position // args.batch_size)
+    if ckpt["world_size"] == env.world_size:  # else the seed above serves as well as any
+        torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
+        if env.device.type == "cuda" and ckpt["rng_cuda"]:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"][env.rank].cpu(), env.device)
+    log(f"Resumed from {path}: epoch {progress.epoch} of {args.epochs} done"
+        + (f", and {progress.position} samples ({progress.step} steps) of the next." if progress.position else "."))
+    return progress
