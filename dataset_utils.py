@@ -368,8 +368,3 @@ class Normalize(torch.nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = images.float().mul_(self.scale).sub_(self.shift)
         return x.contiguous(memory_format=self.memory_format)
-
-
-def normalizer(device) -> Normalize:
-    """CIFAR-100's normalisation on `device`; channels_last on CUDA, the layout the model has there."""
-    return Normalize(CIFAR100_MEAN, CIFAR100_STD, device, channels_last=device.type == "cuda")

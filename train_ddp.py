@@ -86,18 +86,17 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def build_model(args) -> nn.Module:
-    # ADAPT (1/3): your model here. Record what defines its shape in model_config (2/3).
+    # ADAPT (1/3): your model here, and in model_config what defines its shape (a checkpoint must match it).
     return WideResNet(args.depth, args.widen_factor, dataset_utils.NUM_CLASSES, args.dropout)
 
 
 def model_config(args) -> dict:
-    # ADAPT (2/3): what a checkpoint must match to be resumed into build_model(args).
     return {"depth": args.depth, "widen_factor": args.widen_factor, "num_classes": dataset_utils.NUM_CLASSES}
 
 
 def load_data(args, env, train: bool = True):
     """The (train, test) splits as ImageData (uint8 images, int64 labels); train is None if not asked for."""
-    # ADAPT (3/3): your data here: two ImageData, or replace dataset_utils.build_loaders too.
+    # ADAPT (2/3): your data here: two ImageData, or your own Dataset in dataset_utils.build_loaders.
     if args.dataset == "cifar100":
         # One process per node prepares the data (the data dir may be node-local); the rest wait
         # in this collective, which also carries any error to every rank.
@@ -108,6 +107,12 @@ def load_data(args, env, train: bool = True):
         dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size)))
     agree_on_error(err)
     return splits
+
+
+def build_normalize(device) -> nn.Module:
+    # ADAPT (3/3): your training set's per-channel mean and standard deviation.
+    return dataset_utils.Normalize(dataset_utils.CIFAR100_MEAN, dataset_utils.CIFAR100_STD, device,
+                                   channels_last=device.type == "cuda")  # the model's layout on CUDA
 
 
 def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes, step_samples):
@@ -216,7 +221,7 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     train_loader, test_loader = dataset_utils.build_loaders(
         train_data, test_data, args.batch_size, env.rank, env.world_size, accum_steps, config["micro_batch_size"],
         args.seed, config["num_workers"], pin_memory=device.type == "cuda", device=data_device(args, device))
-    normalize = dataset_utils.normalizer(device)  # uint8 on the device -> normalised float
+    normalize = build_normalize(device)  # uint8 on the device -> normalised float
 
     # ------------------------------------------------------------------ model and optimizer
     seed_everything(args.seed)  # the same initial weights on every rank
@@ -285,7 +290,7 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     model = to_device(model, device)
     if args.compile:
         model = torch.compile(model, dynamic=False)
-    normalize = dataset_utils.normalizer(device)  # uint8 on the device -> normalised float
+    normalize = build_normalize(device)  # uint8 on the device -> normalised float
     epoch = ckpt["progress"]["epoch"]
     log(f"Evaluating {path} ({describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs trained) "
         f"on {len(test_data.labels)} test images with {env.world_size} processes")

@@ -210,16 +210,15 @@ def run_cli(main, args, explicit: set) -> int:
     """main(args, explicit), minus the tracebacks a user should not have to read: Ctrl-C before the
     training loop (which turns later ones into a checkpointed stop), and a hung or dead peer, said in
     one line on every rank instead of a wall of C++ frames."""
-    rank = os.environ.get("RANK", 0)
     try:
         return main(args, explicit)
     except KeyboardInterrupt:
-        print(f"rank {rank}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
+        print(f"rank {os.environ.get('RANK', 0)}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
         return 130
     except RuntimeError as e:
         if (why := describe_comm_failure(e, args.timeout)) is None:
             raise
-        print(f"error: rank {rank}: {why}", file=sys.stderr, flush=True)
+        print(f"error: rank {os.environ.get('RANK', 0)}: {why}", file=sys.stderr, flush=True)  # RANK: set by main under srun
         return 1
 
 

@@ -49,6 +49,7 @@ def test_bad_arguments(finished_run, args, expected):
     assert snapshot(finished_run) == before
 
 
+@pytest.mark.quick
 def test_batch_that_the_world_size_does_not_divide(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--batch-size", 63], nproc=2, check=False)
@@ -73,6 +74,7 @@ def test_corrupt_archive(tmp_path):
     assert os.listdir(out) == [] and not (tmp_path / "cifar-100-python").exists()
 
 
+@pytest.mark.quick
 def test_mismatched_checkpoint(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
@@ -89,6 +91,7 @@ def test_unwritable_out_dir(tmp_path):
     assert blocker.read_text() == "not a directory"
 
 
+@pytest.mark.quick
 def test_corrupt_checkpoint_is_refused_not_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

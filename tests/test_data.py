@@ -109,6 +109,7 @@ def test_augmentation_reaches_all_81_crops_and_2_flips_uniformly():
     assert any(not torch.equal(ds[(e, 0)][0], other[(e, 0)][0]) for e in range(10))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_test_shards_cover_every_image_exactly_once(world_size):
     data = du.ImageData(torch.from_numpy(index_images(301)), torch.arange(301))

@@ -9,7 +9,8 @@ from conftest import TINY, launch, load_model_state, read_json, read_jsonl, writ
 from model import WideResNet
 
 
-@pytest.mark.parametrize("world_size,workers,n", [(2, 2, 600), (3, 0, 601), (2, 0, 577)])
+@pytest.mark.parametrize("world_size,workers,n", [(2, 2, 600), pytest.param(3, 0, 601, marks=pytest.mark.quick),
+                                                  pytest.param(2, 0, 577, marks=pytest.mark.quick)])
 def test_each_epoch_visits_every_sample_once_in_a_new_order(tmp_path, world_size, workers, n):
     """601 and 577 leave a short last step (with 2 ranks, 577 leaves rank 1 nothing in it)."""
     write_cifar100(str(tmp_path), n, 10, kind="index", archive=False)
@@ -27,6 +28,7 @@ def test_each_epoch_visits_every_sample_once_in_a_new_order(tmp_path, world_size
     assert orders[0] != orders[1] != orders[2] and orders[0] != orders[2]
 
 
+@pytest.mark.quick
 def test_ddp_step_matches_single_process_math(tmp_path):
     launch([tmp_path / "one.pt", 64], nproc=1, script="tests/helpers/ddp_step.py")
     launch([tmp_path / "two.pt", 64], nproc=2, script="tests/helpers/ddp_step.py")
@@ -40,6 +42,7 @@ def test_ddp_step_matches_single_process_math(tmp_path):
         assert torch.allclose(one[k], two[k], atol=1e-6, rtol=1e-5), k
 
 
+@pytest.mark.quick
 def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
     out = tmp_path / "run"
     common = ["--data-dir", learnable_dir, "--out-dir", out, "--test-size", 301, *TINY]
@@ -58,6 +61,7 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
         assert r["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
 
 
+@pytest.mark.quick
 def test_resume_is_exact(tmp_path, learnable_dir):
     common = ["--data-dir", learnable_dir, "--train-size", 480, "--test-size", 100, "--epochs", 2,
               "--batch-size", 64, "--base-lr", 0.4, "--dropout", 0.2, *TINY, "--workers", 1]

@@ -121,6 +121,7 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     assert read_json(out / "summary.json")["finished"] is True
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("first,second", [((2, 1, 48), (3, 1, 48)), ((3, 1, 48), (2, 1, 48)), ((4, 1, 48), (1, 1, 48)),
                                           ((2, 1, 64), (2, 1, 32)), ((2, 2, 64), (1, 1, 24)), ((1, 4, 32), (3, 2, 96)),
                                           ((2, 1, 2), (3, 1, 3))])
