@@ -175,11 +175,10 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
 
 @torch.no_grad()
 def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -> dict:
-    """Loss, top-1 and top-5 accuracy over the whole test set, exact for any world size: each rank
-    scores its shard, and the sums (not per-rank means) are all-reduced, so uneven shards weigh right.
-    `model` is the bare model, not DDP, whose forward may broadcast and so wait for a rank with nothing
-    to score: every rank makes the same collectives, even with an empty shard. The count check proves
-    that every test image was scored exactly once."""
+    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard,
+    and the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare
+    model, not DDP, whose forward may broadcast and so wait for a rank with nothing to score: every rank
+    makes the same collectives, even with an empty shard. The count check: every image scored once."""
     broadcast_buffers(model)  # rank 0's BatchNorm statistics on every rank: one model, the one saved
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*n, top-1, top-5, n
@@ -285,9 +284,8 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)
     test_loader = dataset_utils.build_test_loader(test_data, env.rank, env.world_size, eval_batch, workers=0,
                                                   pin_memory=device.type == "cuda", device=data_device(args, device))
-    model = build_model(args)
+    model = to_device(build_model(args), device)
     model.load_state_dict(ckpt["model"])
-    model = to_device(model, device)
     if args.compile:
         model = torch.compile(model, dynamic=False)
     normalize = build_normalize(device)  # uint8 on the device -> normalised float

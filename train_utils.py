@@ -131,9 +131,23 @@ def host_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def host_address() -> str | None:
+    """This node's address on the way to the rendezvous (MASTER_ADDR): the source address the kernel
+    picks for it, so the interface the ranks' traffic leaves by (a UDP connect sends nothing). None
+    for a single process."""
+    if "MASTER_ADDR" not in os.environ:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:  # a name that does not resolve, or no route: init would have failed already
+        return None
+
+
 def gather_ranks(env: DistEnv) -> list:
-    """Every rank's host and device, indexed by rank: the node count, and run.json's record."""
-    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+    """Every rank's host, address and device, indexed by rank: the node count, and run.json's record."""
+    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(), "address": host_address(),
                        "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
 
 
