@@ -7,9 +7,20 @@ It launches like train_ddp.py and reports: which GPU each rank drives (unique pe
 backend and library versions, whether the data and the out-dir are usable on every node, the
 all-reduce bandwidth (with a warning when it looks like a socket fallback), and NCCL hints from
 the GPU topology. It exits 1 if a check fails, so a job script can stop before training.
+
+    srun --ntasks-per-node=1 python preflight.py --network node1:29500    # what jobs/preflight.sh runs first
+
+checks the network before any rank starts, one task per node (under srun, without torchrun): that
+each node reaches the rendezvous address (the first node listens there), and that the interface
+named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME exists and can reach the other nodes. A failure
+there names its cause at once, where torchrun or the ranks would wait for their timeout.
 """
 import argparse
+import fcntl
+import ipaddress
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -31,6 +42,9 @@ def get_args_parser():
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as in train_ddp.py")
     p.add_argument("--timeout", type=float, default=300, help="seconds before a hung rendezvous or collective fails")
     p.add_argument("--max-mib", type=int, default=256, help="largest all-reduce message for the bandwidth test")
+    p.add_argument("--network", metavar="HOST:PORT", help="only check the network, one process per node under "
+                   "srun: every node reaches HOST:PORT (the rendezvous; the first node listens there) and the "
+                   "interface that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME names")
     return p
 
 
@@ -90,10 +104,165 @@ def pci_address(device) -> str:
     return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}"
 
 
+# ----------------------------------------------------------------------------- network (--network)
+
+SIOCGIFFLAGS, SIOCGIFADDR, IFF_LOOPBACK = 0x8913, 0x8915, 0x8
+
+
+def interfaces() -> dict:
+    """This node's network interfaces: {name: (is loopback, IPv4 address or None)}. Asked of the
+    kernel (ioctl), which answers for the network namespace this process runs in."""
+    result = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("16sH14s", name.encode()[:15], 0, b"")
+            try:
+                flags = struct.unpack("16sH", fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req)[:18])[1]
+            except OSError:
+                continue
+            try:
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), SIOCGIFADDR, req)[20:24])
+            except OSError:
+                addr = None  # no IPv4 address
+            result[name] = (bool(flags & IFF_LOOPBACK), addr)
+    return result
+
+
+def route_source(ip: str) -> str | None:
+    """The local address this node's traffic to `ip` leaves from (a UDP connect sends nothing)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def check_interfaces(nodes: int, host: str, master_ip: str | None) -> list:
+    """What is wrong with NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME on this node, if set."""
+    have = interfaces()
+    src = route_source(master_ip) if master_ip else None
+    right = next((f"{n} {a}" for n, (lo, a) in have.items() if a and a == src and not lo), None)
+    fix = f"the interface that holds this node's address ({right})" if right else "an interface the other nodes reach"
+    problems = []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        value = os.environ.get(var)
+        if not value:
+            continue
+        if var == "NCCL_SOCKET_IFNAME" and value.startswith("^"):
+            wanted = [n for n in have if not any(n.startswith(x) for x in value[1:].split(","))]
+        elif var == "NCCL_SOCKET_IFNAME" and not value.startswith("="):  # NCCL matches prefixes
+            wanted = [n for n in have if any(n.startswith(x) for x in value.split(","))]
+        else:
+            wanted = [n for n in have if n in value.lstrip("=").split(",")]
+        if not wanted:
+            problems.append(f"{var}={value} names no interface on {host} (it has {', '.join(sorted(have))}): "
+                            f"set it to {fix}, or unset it")
+        elif nodes > 1 and all(have[n][0] for n in wanted):
+            problems.append(f"{var}={value} is the loopback interface, which the other nodes cannot reach: ranks on "
+                            f"different nodes could not connect to each other; set it to {fix}, or unset it")
+    return problems
+
+
+def check_network(args, env=os.environ) -> int:
+    """One process per node (srun --ntasks-per-node=1): the first node listens on the rendezvous
+    port, every other node connects to the rendezvous address. Each reports what it found."""
+    host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    node, nodes = int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
+    name, _, port = args.network.rpartition(":")
+    name, port = name.strip("[]"), int(port)
+    problems = []
+    try:
+        master_ip = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)[0][4][0]
+        shown = f"{name}:{port} ({master_ip} from {host})" if master_ip != name else f"{name}:{port}"
+    except socket.gaierror as e:
+        master_ip, shown = None, f"{name}:{port}"
+        problems.append(f"cannot resolve the rendezvous host {name} on {host} ({e.strerror}): check /etc/hosts "
+                        f"or DNS there")
+    problems += check_interfaces(nodes, host, master_ip)
+    if nodes > 1 and node == 0:
+        problems += listen_for_nodes(port, nodes - 1, args.timeout, shown)
+    elif nodes > 1 and master_ip:
+        if ipaddress.ip_address(master_ip).is_loopback:
+            problems.append(f"the rendezvous host {name} resolves to {master_ip} on {host}, a loopback address: "
+                            f"this node would wait for itself; fix /etc/hosts or DNS on {host}")
+        else:
+            problems += reach_master(master_ip, port, host, args.timeout, shown)
+    for p in problems:
+        print(f"FAILED: network on {host}: {p}", file=sys.stderr, flush=True)
+    if not problems:
+        print(f"network on {host}: ok, rendezvous {shown}"
+              f"{f', reached by the {nodes - 1} other node(s)' if nodes > 1 and node == 0 else ''}", flush=True)
+    return 1 if problems else 0
+
+
+def listen_for_nodes(port: int, expected: int, timeout: float, shown: str) -> list:
+    """On the first node: accept `expected` other nodes on the rendezvous port, as torchrun will."""
+    family = socket.AF_INET6 if socket.has_dualstack_ipv6() else socket.AF_INET
+    try:
+        server = socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6)
+    except OSError as e:
+        return [f"cannot listen on the rendezvous port {port} ({e.strerror}): another job or process holds it"]
+    seen, deadline = [], time.monotonic() + timeout
+    with server:
+        while len(seen) < expected and (left := deadline - time.monotonic()) > 0:
+            server.settimeout(left)
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                break
+            with conn:
+                conn.settimeout(5)
+                try:
+                    seen.append(conn.recv(256).decode(errors="replace").strip())
+                    conn.sendall(b"ok\n")  # the client closes first, so the port is free for torchrun at once
+                    conn.recv(1)
+                except OSError:
+                    pass
+    if len(seen) < expected:
+        return [f"{expected - len(seen)} of {expected} other node(s) did not reach the rendezvous {shown} within "
+                f"{timeout:g} s (reached: {', '.join(seen) or 'none'}): see their own lines"]
+    return []
+
+
+def reach_master(ip: str, port: int, host: str, timeout: float, shown: str) -> list:
+    """On the other nodes: connect to the rendezvous, retrying until `timeout` (the first node may
+    start listening a little later)."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((ip, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))) as c:
+                c.sendall(host.encode() + b"\n")
+                c.settimeout(5)
+                if c.recv(16).startswith(b"ok"):
+                    return []
+                last = "it answered, but not as the first node of this job"
+        except OSError as e:
+            last = e.strerror or type(e).__name__
+        time.sleep(0.5)
+    return [f"the rendezvous {shown} did not answer within {timeout:g} s ({last}): the ranks would wait for it until "
+            f"--timeout; check that the first node's name resolves to an address this node reaches (getent hosts, "
+            f"/etc/hosts, DNS) and that no firewall drops the port"]
+
+
 def main(args) -> int:
+    if args.network:
+        return check_network(args)
     env = read_dist_env()
     env.device = device = pick_device(args.device, env.local_rank)
-    init_distributed(env, args.timeout)
+    try:
+        init_distributed(env, args.timeout)
+    except (UserError, RuntimeError) as e:  # every rank says why: there is no process group to gather it
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            master_ip = socket.getaddrinfo(os.environ.get("MASTER_ADDR", ""), None)[0][4][0]
+        except (socket.gaierror, UnicodeError):
+            master_ip = None
+        causes = check_interfaces(env.world_size // max(env.local_world_size, 1), host_name(), master_ip)
+        print(f"FAILED: rank {env.rank} on {host_name()}: rendezvous: {why}"
+              + "".join(f"; {c}" for c in causes), file=sys.stderr, flush=True)
+        return 1
     try:
         me = {"rank": env.rank, "local_rank": env.local_rank, "host": host_name(), "device": str(device),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "-",

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Preflight on the nodes and GPUs a real job will get: GPU-to-rank mapping, versions, data and
-# out-dir on every node, all-reduce bandwidth, NCCL hints. A few minutes, before a long job.
+# Preflight on the nodes and GPUs a real job will get: the network between the nodes, GPU-to-rank
+# mapping, versions, data and out-dir on every node, all-reduce bandwidth, NCCL hints. A few
+# minutes, before a long job.
 #
 #   sbatch jobs/preflight.sh --data-dir ./datasets --out-dir ./runs/wrn
 #   sbatch --nodes=2 jobs/preflight.sh                    # check the interconnect too
@@ -20,6 +21,11 @@ set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
+
+# The network first, one task per node and no torchrun: every node reaches the rendezvous address
+# (the first node listens there), and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name a usable interface.
+# A failure here names its cause within --timeout, where torchrun would wait for its own timeout.
+srun --ntasks-per-node=1 "${LAUNCH[@]}" python preflight.py --network "$MASTER_ADDR:$MASTER_PORT" "$@" || exit 1
 
 # Same launch as jobs/multinode.sh, so what passes here is what training will meet.
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 "${LAUNCH[@]}" \

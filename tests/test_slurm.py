@@ -1,9 +1,12 @@
 """The job scripts in jobs/, submitted unmodified with sbatch to a real (local) Slurm cluster.
 
-tests/slurm/setup_cluster.sh starts it: slurmctld and two slurmd (node1, node2) on 127.0.0.1,
-with placeholder GPUs as a GRES, so Slurm grants --gpus and sets SLURM_GPUS_ON_NODE; without
-CUDA the ranks train on CPU with gloo. It needs root; elsewhere these tests are skipped.
+tests/slurm/setup_cluster.sh starts it: slurmctld and two slurmd (node1, node2), each node in a
+network namespace of its own with its own address (tests/slurm/cluster_net.sh), so that ranks on
+different nodes meet only across the nodes' addresses, as on separate hosts; placeholder GPUs as
+a GRES, so Slurm grants --gpus and sets SLURM_GPUS_ON_NODE; without CUDA the ranks train on CPU
+with gloo. It needs root (and network namespaces); elsewhere these tests are skipped.
 """
+import datetime
 import os
 import shutil
 import subprocess
@@ -16,6 +19,9 @@ import torch
 from conftest import ROOT, TINY, job_recipe, launch, load_model_state, read_json
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
+# As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
+NODE_ADDR = {"node1": "10.213.0.1", "node2": "10.213.0.2"}
+NODE2_HOSTS = "/etc/netns/slurmtest-node2/hosts"
 # The job scripts' #SBATCH defaults ask for a real GPU node; only what this host lacks is overridden.
 SMALL_NODE = ["--mem=2G", "--cpus-per-task=1", "--time=00:15:00"]
 TRAIN = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *TINY]
@@ -28,15 +34,18 @@ def slurm():
     if not shutil.which("sbatch") and not shutil.which("apt-get"):
         pytest.skip("no Slurm here, and no apt-get to install it")
     proc = subprocess.run(["bash", SETUP], capture_output=True, text=True, timeout=1200)
-    if proc.returncode == 3:  # a real cluster's slurm.conf is here: leave it alone
+    # 3: a real cluster's slurm.conf, or a namespace, link or subnet of the same name, is here: leave it alone.
+    # 4: no network namespaces here (no CAP_NET_ADMIN).
+    if proc.returncode in (3, 4):
         pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, f"local Slurm cluster failed to start:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-def sbatch(script, tmp_path, sbatch_args, train_args):
-    """Submit jobs/<script> as a user would, from the project directory; returns (job id, log path)."""
+def sbatch(script, tmp_path, sbatch_args, train_args, env=None):
+    """Submit jobs/<script> as a user would, from the project directory, with `env` exported to the
+    job (sbatch passes the submitting environment on); returns (job id, log path)."""
     log = tmp_path / f"{script}.log"
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **(env or {})}
     cmd = ["sbatch", "--parsable", f"--output={log}", f"--error={log}", *SMALL_NODE, *sbatch_args,
            os.path.join("jobs", script), *map(str, train_args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -67,6 +76,12 @@ def read(path):
     return open(path).read() if os.path.exists(path) else ""
 
 
+def run_seconds(job_id):
+    """How long the job ran, from Slurm's StartTime to its EndTime."""
+    start, end = (datetime.datetime.fromisoformat(job_field(job_id, f)) for f in ("StartTime", "EndTime"))
+    return (end - start).total_seconds()
+
+
 def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
     out = tmp_path / "run"
     job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", out])
@@ -94,6 +109,12 @@ def test_multinode_job_spans_both_nodes(slurm, tmp_path):
     assert summary["world_size"] == 4 == 2 * summary["gpus_per_node"]
     assert summary["nodes"] == 2 and summary["hosts"] == ["node1", "node2"]
     assert summary["finished"] is True
+    # Each rank ran on its node's own address, and the ranks on node2 met the others at node1's
+    # address (MASTER_ADDR, as it resolved there), not on a loopback: the nodes share none.
+    ranks = read_json(out / "run.json")["ranks"]
+    assert {(r["host"], r["address"]) for r in ranks} == set(NODE_ADDR.items())
+    assert NODE_ADDR["node1"] != NODE_ADDR["node2"]
+    assert {r["master_address"] for r in ranks if r["host"] == "node2"} == {NODE_ADDR["node1"]}
 
 
 def test_srun_direct_without_torchrun(slurm, tmp_path):
@@ -140,6 +161,71 @@ def test_preflight_job_checks_both_nodes(slurm, tmp_path):
     assert "world size 2" in text and "all_reduce bus bandwidth: 1 MiB" in text
     assert {h for h in ("node1", "node2") if f" {h} " in text} == {"node1", "node2"}
     assert "preflight: all checks passed" in text
+    # Its network check, before torchrun: node2 reached the rendezvous at node1's address.
+    port = 20000 + int(job) % 20000
+    assert f"network on node2: ok, rendezvous node1:{port} ({NODE_ADDR['node1']} from node2)" in text
+    assert f"network on node1: ok, rendezvous node1:{port} ({NODE_ADDR['node1']} from node1), reached by the 1 other" in text
+
+
+# The two classic multi-node failures, each with a short --timeout: the job must end within it (plus
+# the ranks' start-up), with the one-line message of the README's troubleshooting table, and the
+# preflight job must name the cause as a failed check.
+TIMEOUT = 20
+FAIL_TRAIN = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 32, "--batch-size", 16, "--epochs", 1,
+              *TINY[:-1], TIMEOUT]
+PREFLIGHT = ["--dataset", "synthetic", "--device", "cpu", "--timeout", TIMEOUT]
+
+
+def wait_failed(job, log):
+    assert wait_job(job, log, timeout=300) == "FAILED", read(log)
+    assert run_seconds(job) < 2 * TIMEOUT + 15, f"job {job} took {run_seconds(job)} s with --timeout {TIMEOUT}"
+    return read(log)
+
+
+def test_interface_that_cannot_reach_the_other_node_fails_fast(slurm, tmp_path):
+    # GLOO_SOCKET_IFNAME=lo (the gloo twin of NCCL_SOCKET_IFNAME): the rendezvous on node1's address
+    # works, but each rank advertises 127.0.0.1, which the ranks on the other node cannot reach.
+    env = {"GLOO_SOCKET_IFNAME": "lo"}
+    train, train_log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
+                              [*FAIL_TRAIN, "--out-dir", tmp_path / "run"], env=env)
+    check, check_log = sbatch("preflight.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
+                              [*PREFLIGHT, "--out-dir", tmp_path / "out"], env=env)
+    text = wait_failed(train, train_log)
+    assert "cannot connect to another rank at 127.0.0.1, a loopback address" in text
+    assert "GLOO_SOCKET_IFNAME=lo names an interface the other nodes cannot reach" in text
+    text = wait_failed(check, check_log)
+    for node in NODE_ADDR:
+        assert (f"FAILED: network on {node}: GLOO_SOCKET_IFNAME=lo is the loopback interface, which the other nodes "
+                f"cannot reach") in text
+        assert f"the interface that holds this node's address (eth0 {NODE_ADDR[node]})" in text
+    assert "all checks passed" not in text
+
+
+def test_master_address_that_does_not_answer_fails_within_the_timeout(slurm, tmp_path):
+    # node2's own /etc/hosts maps node1 to an address where nothing answers on the rendezvous port
+    # (a stale entry: node2's own), so node2's ranks never reach the master; node1's are fine.
+    # jobs/srun_direct.sh: its ranks meet without torchrun, within --timeout.
+    with open(NODE2_HOSTS) as f:
+        hosts = f.read()
+    stale = hosts.replace(f"{NODE_ADDR['node1']} node1 ", f"{NODE_ADDR['node2']} node1 ")
+    assert stale != hosts
+    try:
+        with open(NODE2_HOSTS, "w") as f:  # in place: node2's slurmd sees this very file as /etc/hosts
+            f.write(stale)
+        train, train_log = sbatch("srun_direct.sh", tmp_path, ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-task=1"],
+                                  [*FAIL_TRAIN, "--out-dir", tmp_path / "run"])
+        check, check_log = sbatch("preflight.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
+                                  [*PREFLIGHT, "--out-dir", tmp_path / "out"])
+        train_text, check_text = wait_failed(train, train_log), wait_failed(check, check_log)
+    finally:
+        with open(NODE2_HOSTS, "w") as f:
+            f.write(hosts)
+    assert f"timed out after {TIMEOUT} s in init_process_group waiting for all 2 ranks at node1:" in train_text
+    port = 20000 + int(check) % 20000
+    assert (f"FAILED: network on node2: the rendezvous node1:{port} ({NODE_ADDR['node2']} from node2) did not answer "
+            f"within {TIMEOUT} s") in check_text
+    assert f"FAILED: network on node1: 1 of 1 other node(s) did not reach the rendezvous node1:{port}" in check_text
+    assert "all checks passed" not in check_text
 
 
 def test_scaling_job_benchmarks_each_size_and_plots(slurm, tmp_path, monkeypatch):

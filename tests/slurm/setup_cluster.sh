@@ -9,13 +9,13 @@
 #   the node's name. Its slurmd runs inside both, so every job step, torchrun
 #   agent and rank it starts does too: ranks on different nodes can only meet
 #   through the nodes' addresses, never through a shared loopback. The
-#   namespaces have no default route, and the host does not forward: the only
-#   addresses they reach are theirs, the bridge's and their own loopback.
+#   namespaces have no default route: the only addresses a node can reach are
+#   the test subnet's (the nodes' and the bridge's) and its own loopback.
 # - slurmctld runs on the host and listens on the bridge's address, which both
 #   nodes reach; munge's socket is a unix socket, shared by all namespaces.
 # - /etc/hosts maps node1 and node2 to their addresses; each node also gets its
-#   own copy (/etc/netns/<namespace>/hosts, which `ip netns exec` mounts over
-#   /etc/hosts), as each real host has its own.
+#   own copy (/etc/netns/<namespace>/hosts, mounted over /etc/hosts for its
+#   slurmd), as each real host has its own.
 # - Both nodes share the real CPUs (CPUs=2 each) and advertise Gres=gpu:2
 #   backed by placeholder device nodes, so Slurm grants --gpus and
 #   --gpus-per-node and sets SLURM_GPUS_ON_NODE (there is no real GPU).
@@ -152,8 +152,8 @@ hosts=$(grep -vF "$HOSTS_TAG" /etc/hosts | grep -Ev '^127\.0\.0\.1[[:space:]]+no
         echo "${NODE_ADDR[$n]} $n $HOSTS_TAG"
     done
 } >/etc/hosts
-# Each node's own /etc/hosts, which `ip netns exec` mounts over /etc/hosts for its slurmd and all
-# that it starts (a test may rewrite it in place to break one node's name resolution).
+# Each node's own /etc/hosts, mounted over /etc/hosts for its slurmd and all that it starts (as
+# `ip netns exec` would; a test may rewrite it in place to break one node's name resolution).
 for n in "${NODES[@]}"; do
     ns=$(netns_of "$n")
     own dir "/etc/netns/$ns"
@@ -253,11 +253,15 @@ done
 
 # -c: start with a clean job state; -i: ignore unreadable state files.
 slurmctld -c -i
-# Each slurmd in its node's network namespace, and in a UTS namespace named after the node, as on a
-# host of its own: what resolves the hostname (torchrun's rendezvous, gloo) gets the node's address.
+# Each slurmd in its node's network namespace, in a UTS namespace named after the node (what resolves
+# the hostname, torchrun's rendezvous and gloo, then gets the node's address, as on a host of its
+# own), and in a mount namespace where the node's hosts file is /etc/hosts. Not `ip netns exec`:
+# it also mounts a fresh /sys, without the cgroup hierarchy that slurmd needs.
 for n in "${NODES[@]}"; do
+    ns=$(netns_of "$n")
     # shellcheck disable=SC2016
-    ip netns exec "$(netns_of "$n")" unshare --uts sh -c 'hostname "$1" && exec slurmd -N "$1"' sh "$n"
+    nsenter --net="/run/netns/$ns" unshare --mount --uts \
+        sh -c 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -N "$2"' sh "/etc/netns/$ns/hosts" "$n"
 done
 
 # ---------------------------------------------------------------- wait
@@ -293,7 +297,7 @@ while true; do
 done
 
 # Node to node, across the bridge (a host firewall filtering bridged traffic would stop it here).
-if ! ip netns exec "$(netns_of node2)" timeout 5 bash -c "exec 3<>/dev/tcp/node1/$SLURMD_PORT" 2>/dev/null; then
+if ! ip netns exec "$(netns_of node2)" timeout 5 bash -c "exec 3<>/dev/tcp/${NODE_ADDR[node1]}/$SLURMD_PORT" 2>/dev/null; then
     echo "setup_cluster.sh: node2 cannot reach node1 (${NODE_ADDR[node1]}:$SLURMD_PORT) across $BRIDGE;" \
          "is bridged traffic filtered (sysctl net.bridge.bridge-nf-call-iptables, iptables FORWARD)?" >&2
     exit 1

@@ -30,9 +30,15 @@ targets() {
         ip netns pids "$ns" 2>/dev/null || true
     done
 }
+alive() {  # zombies (exited, not yet reaped by their parent) cannot be killed, and hold nothing
+    local pid
+    while read -r pid; do
+        [[ $(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null) =~ ^[^ZX]$ ]] && echo "$pid"
+    done
+}
 stopped=false
 for i in $(seq 1 50); do
-    mapfile -t pids < <(targets | sort -u)
+    mapfile -t pids < <(targets | sort -u | alive)
     if [[ ${#pids[@]} -eq 0 ]]; then
         stopped=true
         break
