@@ -4,6 +4,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -20,6 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 class UserError(Exception):
     """A problem the user can fix: printed as one line, without a traceback, and the run exits 2."""
+
+
+class RendezvousError(UserError):
+    """init_process_group failed. Every rank that meets it says why: there is no process group to wait
+    on, and rank 0 may be the one left waiting (gloo's accepting side waits far longer than --timeout)."""
 
 
 # ----------------------------------------------------------------------------- distributed setup
@@ -118,12 +124,31 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
                                 world_size=env.world_size if store else -1, timeout=timeout,
                                 device_id=env.device if backend == "nccl" else None)
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
-        if not _is_timeout(e):
+        if (why := describe_init_failure(e, env, timeout_s)) is None:
             raise
-        raise UserError(
-            f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
-            f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
-            f"check that every node started and can reach that address, or raise --timeout") from None
+        raise RendezvousError(why) from None
+
+
+def describe_init_failure(e: Exception, env: DistEnv, timeout_s: float) -> str | None:
+    """One line for an init_process_group that failed, else None: a peer advertised a loopback address
+    (gloo's connect to it is refused within seconds: ranks bound to an interface that other nodes cannot
+    reach), or the rendezvous timed out."""
+    text = str(e)
+    peer = re.search(r"remote=\[([^\]]+)\]", text)
+    if "connectFullMesh" in text and peer and (peer.group(1).startswith("127.") or peer.group(1) == "::1"):
+        ifname = next((f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                       if os.environ.get(v)), None)
+        cause = (f"{ifname} names an interface the other nodes cannot reach: set it to the interface that "
+                 f"carries the node's address (ip -br addr), or unset it" if ifname else
+                 "the hostname resolves to a loopback address: map it to the node's address in /etc/hosts or "
+                 "DNS, or set GLOO_SOCKET_IFNAME to the interface that carries that address")
+        return (f"rank {env.rank} on {host_name()} cannot connect to another rank at {peer.group(1)}, a loopback "
+                f"address, so ranks on different nodes cannot meet: {cause}")
+    if _is_timeout(e):
+        return (f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
+                f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
+                f"check that every node started and can reach that address, or raise --timeout")
+    return None
 
 
 def host_name() -> str:
@@ -145,9 +170,19 @@ def host_address() -> str | None:
         return None
 
 
+def master_address() -> str | None:
+    """MASTER_ADDR as it resolves on this node: the address this rank met the others at. None for a
+    single process."""
+    try:
+        return socket.gethostbyname(os.environ["MASTER_ADDR"]) if "MASTER_ADDR" in os.environ else None
+    except OSError:
+        return None
+
+
 def gather_ranks(env: DistEnv) -> list:
     """Every rank's host, address and device, indexed by rank: the node count, and run.json's record."""
     return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(), "address": host_address(),
+                       "master_address": master_address(),
                        "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
 
 
@@ -194,6 +229,9 @@ def catch_user_error(fn, *args, **kwargs):
 def leave_on_user_error(e: UserError) -> int:
     """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
     soon as one exits and rank 0 must have said why first. Returns the exit status, 2."""
+    if isinstance(e, RendezvousError):  # no process group: every rank says why, as rank 0 may still be waiting
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     log(f"error: {e}", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
