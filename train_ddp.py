@@ -134,8 +134,11 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
         stats = stats + loss_stats(loss.detach(), y.numel())
-        if len(micro_sizes) > 1 and k == 0:  # BN running stats as if micro-step k were rank r + k * world_size:
-            kept_buffers = [b.detach().clone() for b in unwrap(model).buffers()]  # rank 0 keeps only k = 0's
+        # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks,
+        # rank 0's BatchNorm running statistics are the ones kept (DDP broadcasts them), and they saw only
+        # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
+        if len(micro_sizes) > 1 and k == 0:
+            kept_buffers = [b.detach().clone() for b in unwrap(model).buffers()]
     if kept_buffers is not None:
         restore_buffers(model, kept_buffers)
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
@@ -151,12 +154,13 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
     loader.batch_sampler.set_epoch(epoch, start=progress.position)  # a new order per epoch; after a resume, the rest
     # loss sum over finite losses, their n, and all n; a resumed epoch's sums so far sit on rank 0.
     sums = torch.tensor(progress.sums if env.is_main else [0.0] * 3, dtype=torch.float64, device=env.device)
-    steps_per_epoch = progress.step + len(loader.batch_sampler)
+    steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
     t0 = time.perf_counter() - progress.elapsed_s
     for images, labels in loader:
         step_samples = min(args.batch_size, n - progress.position)  # the last step may be short
         done = progress.position + step_samples
-        # The LR follows the samples seen, so a resume with another batch size keeps its schedule.
+        # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
+        # so a resume with another batch size keeps its schedule.
         set_lr(optimizer, run.peak_lr * lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
                                                   args.epochs, args.warmup_epochs, args.lr_schedule))
         micro_sizes = dataset_utils.micro_batch_sizes(step_samples, env.rank, env.world_size, run.accum_steps)
