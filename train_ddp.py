@@ -303,7 +303,8 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
 
 def main(args, explicit=frozenset()) -> int:
     """Set up the processes, the out-dir and the checkpoint, then train (or only evaluate); tear down
-    whatever happens. A UserError ends every rank with rank 0's one line and exit status 2."""
+    whatever happens. A UserError ends every rank with exit status 2 and one line from rank 0 (from every
+    rank if the rendezvous failed, as then rank 0 may be the one still waiting)."""
     env = read_dist_env()
     lock = None
     try:
