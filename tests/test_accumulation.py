@@ -69,7 +69,6 @@ def test_bad_accumulation_flags(tmp_path, flags, says):
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.quick
 def test_a_last_step_that_leaves_a_rank_nothing_trains_the_same_as_accumulation(tmp_path):
     """129 samples in batches of 64: the last step holds one sample, so rank 1 of 2 gets an empty
     micro-batch; it still joins the gradient all-reduce, with zero, and the update is the mean

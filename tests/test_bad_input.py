@@ -74,7 +74,6 @@ def test_corrupt_archive(tmp_path):
     assert os.listdir(out) == [] and not (tmp_path / "cifar-100-python").exists()
 
 
-@pytest.mark.quick
 def test_mismatched_checkpoint(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
