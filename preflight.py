@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import dataset_utils as du
 from train_utils import (UserError, all_gather, check_writable, host_name, init_distributed, log, pick_device,
-                         read_dist_env)
+                         read_dist_env, route_source)
 
 
 def get_args_parser():
@@ -126,17 +126,6 @@ def interfaces() -> dict:
                 addr = None  # no IPv4 address
             result[name] = (bool(flags & IFF_LOOPBACK), addr)
     return result
-
-
-def route_source(ip: str) -> str | None:
-    """The local address this node's traffic to `ip` leaves from (a UDP connect sends nothing)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((ip, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def check_interfaces(nodes: int, host: str, master_ip: str | None) -> list:

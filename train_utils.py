@@ -156,17 +156,15 @@ def host_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def host_address() -> str | None:
-    """This node's address on the way to the rendezvous (MASTER_ADDR): the source address the kernel
-    picks for it, so the interface the ranks' traffic leaves by (a UDP connect sends nothing). None
-    for a single process."""
-    if "MASTER_ADDR" not in os.environ:
-        return None
+def route_source(ip: str) -> str | None:
+    """The local address this node's traffic to `ip` leaves from, so the interface it leaves by (a UDP
+    connect sends nothing). None if there is no route."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", "29500"))))
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
             return s.getsockname()[0]
-    except OSError:  # a name that does not resolve, or no route: init would have failed already
+    except OSError:
         return None
 
 
@@ -180,9 +178,11 @@ def master_address() -> str | None:
 
 
 def gather_ranks(env: DistEnv) -> list:
-    """Every rank's host, address and device, indexed by rank: the node count, and run.json's record."""
-    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(), "address": host_address(),
-                       "master_address": master_address(),
+    """Every rank's host, its address on the way to the rendezvous, the rendezvous address as it
+    resolved here, and its device, indexed by rank: the node count, and run.json's record."""
+    master = master_address()
+    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+                       "address": route_source(master) if master else None, "master_address": master,
                        "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
 
 
