@@ -13,11 +13,8 @@ then for each epoch train_one_epoch() and evaluate(), a record and a checkpoint,
 The three places marked ADAPT are where you plug in your own model and data.
 """
 import argparse
-import faulthandler
-import signal
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -26,14 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
 from model import WideResNet
-from train_utils import (EXIT_STOPPED, Progress, ProgressLog, Records, RunContext, StopRequest, UserError,
-                         accumulation_steps, after_epoch, agree_on_error, all_reduce_sum, broadcast_buffers,
-                         catch_user_error, check_args, check_same_data, data_device, describe_model, epoch_metrics,
-                         explicit_flags, find_checkpoint, gather_ranks, init_distributed, leave_on_user_error,
-                         lock_out_dir, log, log_epoch, log_start, loss_stats, lr_factor, no_sync, pick_device,
-                         read_dist_env, record_evaluation, resolve_amp, restore_buffers, restore_checkpoint,
-                         run_cli, run_config, save_checkpoint, scaled_lr, seed_everything, set_lr,
-                         stop_or_checkpoint_mid_epoch, to_device, training_state, unwrap)
+import train_utils as utils
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -97,16 +87,11 @@ def model_config(args) -> dict:
 def load_data(args, env, train: bool = True):
     """The (train, test) splits as ImageData (uint8 images, int64 labels); train is None if not asked for."""
     # ADAPT (2/3): your data here: two ImageData, or your own Dataset in dataset_utils.build_loaders.
-    if args.dataset == "cifar100":
-        # One process per node prepares the data (the data dir may be node-local); the rest wait
-        # in this collective, which also carries any error to every rank.
-        err = catch_user_error(dataset_utils.prepare_cifar100, args.data_dir)[1] if env.local_rank == 0 else None
-        agree_on_error(err)
-    splits, err = catch_user_error(lambda: (
+    if args.dataset == "cifar100":  # one process per node fetches and checks it (the data dir may be node-local)
+        utils.call_and_agree(dataset_utils.prepare_cifar100, args.data_dir, here=env.local_rank == 0)
+    return utils.call_and_agree(lambda: (  # an error on any rank is raised on every rank, so none waits forever
         dataset_utils.load_split(args.dataset, args.data_dir, True, args.train_size) if train else None,
         dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size)))
-    agree_on_error(err)
-    return splits
 
 
 def build_normalize(device) -> nn.Module:
@@ -118,7 +103,7 @@ def build_normalize(device) -> nn.Module:
 def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes, step_samples):
     """One optimizer step on this rank's share of a global batch of `step_samples` samples, in micro-batches
     of `micro_sizes` (dataset_utils.micro_batch_sizes); `loss_fn` sums. Returns the step's loss sums on the
-    device (loss_stats): reading the loss on the host here would stall the GPU every step."""
+    device (utils.loss_stats): reading the loss on the host here would stall the GPU every step."""
     device = normalize.scale.device
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
@@ -128,19 +113,18 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        last = k == len(micro_sizes) - 1
-        with nullcontext() if last else no_sync(model):  # DDP averages the gradients over all ranks once, in the last backward
+        with utils.no_sync(model, k < len(micro_sizes) - 1):  # DDP all-reduces only in the last micro-step's backward
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
-        stats = stats + loss_stats(loss.detach(), y.numel())
+        stats = stats + utils.loss_stats(loss.detach(), y.numel())
         # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks,
         # rank 0's BatchNorm running statistics are the ones kept (DDP broadcasts them), and they saw only
         # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
-            kept_buffers = [b.detach().clone() for b in unwrap(model).buffers()]
+            kept_buffers = [b.detach().clone() for b in utils.unwrap(model).buffers()]
     if kept_buffers is not None:
-        restore_buffers(model, kept_buffers)
+        utils.restore_buffers(model, kept_buffers)
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
     return stats
@@ -161,17 +145,17 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
         done = progress.position + step_samples
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
         # so a resume with another batch size keeps its schedule.
-        set_lr(optimizer, run.peak_lr * lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
-                                                  args.epochs, args.warmup_epochs, args.lr_schedule))
+        utils.set_lr(optimizer, run.peak_lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
+                                                              args.epochs, args.warmup_epochs, args.lr_schedule))
         micro_sizes = dataset_utils.micro_batch_sizes(step_samples, env.rank, env.world_size, run.accum_steps)
         sums += train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, run.amp_dtype, micro_sizes,
                            step_samples)
         progress.position, progress.step = done, progress.step + 1
         run.progress_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)
-        if stop_or_checkpoint_mid_epoch(run, progress, sums, t0, scaler.is_enabled()):
+        if utils.stop_or_checkpoint_mid_epoch(run, progress, sums, t0, scaler.is_enabled()):
             return True
     # Summing over ranks waits for the slowest, like the seed's barrier, so the time is honest.
-    progress.sums = all_reduce_sum(sums).tolist()
+    progress.sums = utils.all_reduce_sum(sums).tolist()
     progress.elapsed_s = time.perf_counter() - t0
     run.progress_log.clear()
     return False
@@ -179,11 +163,10 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
 
 @torch.no_grad()
 def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -> dict:
-    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard,
-    and the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare
-    model, not DDP, whose forward may broadcast and so wait for a rank with nothing to score: every rank
-    makes the same collectives, even with an empty shard. The count check: every image scored once."""
-    broadcast_buffers(model)  # rank 0's BatchNorm statistics on every rank: one model, the one saved
+    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
+    the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
+    forward may broadcast, and a rank with an empty shard would not join. The count check: every image once."""
+    utils.broadcast_buffers(model)  # rank 0's BatchNorm statistics on every rank: one model, the one saved
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*n, top-1, top-5, n
     for images, labels in loader:
@@ -192,12 +175,10 @@ def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        top5 = logits.topk(min(5, logits.size(1)), dim=1).indices
-        sums += torch.stack([loss.double(),
-                             (top5[:, 0] == labels).sum().double(),
-                             (top5 == labels[:, None]).any(dim=1).sum().double(),
-                             torch.full((), labels.numel(), dtype=torch.float64, device=device)])  # no host copy
-    all_reduce_sum(sums)
+        hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
+        n = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # made on the device: no host sync
+        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), n])
+    utils.all_reduce_sum(sums)
     loss_sum, top1, top5_correct, count = sums.tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
@@ -209,37 +190,38 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     """The recipe. Every rank runs all of it; rank 0 alone prints and writes."""
     device = env.device
     # ------------------------------------------------------------------ the run's shape: ranks, batch, LR
-    ranks = gather_ranks(env)  # every rank's host and device, for the log and run.json
+    ranks = utils.gather_ranks(env)  # every rank's host and device, for the log and run.json
     per_rank_batch = args.batch_size // env.world_size  # --batch-size is global: each rank takes its share
-    accum_steps = accumulation_steps(per_rank_batch, args.micro_batch)  # micro-steps of at most --micro-batch
-    lr = scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling)  # LR for the global batch
-    config = run_config(args, env, ranks, per_rank_batch, accum_steps, lr, amp_dtype)  # flags + what they made
-    log_start(config, env, notes)  # the seed's first lines, the config, the batch split and LR
+    accum_steps = utils.accumulation_steps(per_rank_batch, args.micro_batch)  # micro-steps of at most --micro-batch
+    lr = utils.scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling)  # LR for the global batch
+    config = utils.run_config(args, env, ranks, per_rank_batch, accum_steps, lr, amp_dtype)  # flags + what they made
+    utils.log_start(config, env, notes)  # the seed's first lines, the config, the batch split and LR
 
     # ------------------------------------------------------------------ data
     train_data, test_data = load_data(args, env)
     fingerprints = {"train": dataset_utils.fingerprint(train_data), "test": dataset_utils.fingerprint(test_data)}
-    agree_on_error(check_same_data(ckpt, fingerprints, args))  # never continue a run on other data
+    utils.agree_on_error(utils.check_same_data(ckpt, fingerprints, args))  # never continue a run on other data
     # Training: each rank's share of every global batch. Test: rank r scores images r, r + world_size, ...
     train_loader, test_loader = dataset_utils.build_loaders(
         train_data, test_data, args.batch_size, env.rank, env.world_size, accum_steps, config["micro_batch_size"],
-        args.seed, config["num_workers"], pin_memory=device.type == "cuda", device=data_device(args, device))
+        args.seed, config["num_workers"], pin_memory=device.type == "cuda", device=utils.data_device(args, device))
     normalize = build_normalize(device)  # uint8 on the device -> normalised float
 
     # ------------------------------------------------------------------ model and optimizer
-    seed_everything(args.seed)  # the same initial weights on every rank
+    utils.seed_everything(args.seed)  # the same initial weights on every rank
     model = build_model(args)
     if args.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = to_device(model, device)
+    model = utils.to_device(model, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
                                 weight_decay=args.weight_decay, fused=device.type == "cuda")
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing, reduction="sum")  # train_step averages
-    seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
+    utils.seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
 
     # ------------------------------------------------------------------ resume, then DDP
-    progress = restore_checkpoint(ckpt, ckpt_path, model, optimizer, scaler, args, env, config) if ckpt else Progress()
+    progress = (utils.restore_checkpoint(ckpt, ckpt_path, model, optimizer, scaler, args, env, config) if ckpt
+                else utils.Progress())  # where training stands: the epoch, and the position within it
     bare_model = eval_model = model  # evaluate() needs no DDP (see there)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy
         model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
@@ -249,32 +231,29 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
 
     def save_state():
         """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes."""
-        state = training_state(bare_model, optimizer, scaler, progress, config, model_config(args), fingerprints, device)
+        state = utils.training_state(bare_model, optimizer, scaler, progress, config, model_config(args), fingerprints, device)
         if env.is_main:
             lock.check()  # never write over another run's checkpoint
-            save_checkpoint(args.out_dir, state, args.keep_checkpoints)
+            utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
-    records = Records(args, env, config, ranks, progress.epoch)  # metrics.jsonl, run.json, TensorBoard
-    run = RunContext(args, env, amp_dtype, lr, accum_steps, len(train_data.labels), StopRequest(),
-                     ProgressLog(args.log_every), save_state)
-    for epoch in range(progress.epoch + 1, args.epochs + 1):
-        if progress.stopped_early:
-            break
+    records = utils.Records(args, env, config, ranks, progress.epoch)  # metrics.jsonl, run.json, TensorBoard
+    run = utils.RunContext(args, env, amp_dtype, lr, accum_steps, len(train_data.labels), utils.StopRequest(),
+                           utils.ProgressLog(args.log_every), save_state)
+    for epoch in progress.epochs_left(args.epochs):
         if train_one_epoch(model, train_loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run):
-            return EXIT_STOPPED
+            return utils.EXIT_STOPPED
         stopping = run.stop.check(device, torch.tensor(progress.sums, dtype=torch.float64, device=device),
                                   scaler.is_enabled())
         val = evaluate(eval_model, test_loader, normalize, device, amp_dtype, len(test_data.labels))
-        metrics = epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
-        log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the seed's four lines
+        metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
+        utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the seed's four lines
         progress.finish_epoch(metrics, args.patience, args.target_accuracy)  # early stopping decided here
         save_state()
         records.add_epoch(metrics)
-        action = after_epoch(progress, run.stop, stopping, epoch, args)  # early stop, stop request, --stop-after-epoch
-        if action == "exit":
-            return EXIT_STOPPED
-        if action == "end":
+        if (action := utils.after_epoch(progress, run.stop, stopping, epoch, args)) == "exit":  # a stop request
+            return utils.EXIT_STOPPED
+        if action == "end":  # early stopping, or --stop-after-epoch
             break
     records.finish(progress, len(train_data.labels), len(test_data.labels))  # summary.json and the seed's summary
     return 0
@@ -284,42 +263,39 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
     device = env.device
     _, test_data = load_data(args, env, train=False)
-    agree_on_error(check_same_data(ckpt, {"test": dataset_utils.fingerprint(test_data)}, args))
+    utils.agree_on_error(utils.check_same_data(ckpt, {"test": dataset_utils.fingerprint(test_data)}, args))
     eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)
     test_loader = dataset_utils.build_test_loader(test_data, env.rank, env.world_size, eval_batch, workers=0,
-                                                  pin_memory=device.type == "cuda", device=data_device(args, device))
-    model = to_device(build_model(args), device)
+                                                  pin_memory=device.type == "cuda", device=utils.data_device(args, device))
+    model = utils.to_device(build_model(args), device)
     model.load_state_dict(ckpt["model"])
-    if args.compile:
-        model = torch.compile(model, dynamic=False)
-    normalize = build_normalize(device)  # uint8 on the device -> normalised float
+    model = torch.compile(model, dynamic=False) if args.compile else model
     epoch = ckpt["progress"]["epoch"]
-    log(f"Evaluating {path} ({describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs trained) "
-        f"on {len(test_data.labels)} test images with {env.world_size} processes")
-    metrics = evaluate(model, test_loader, normalize, device, amp_dtype, len(test_data.labels))
-    record_evaluation(args.out_dir, metrics, epoch, env, path)  # two lines, and eval.json
+    utils.log(f"Evaluating {path} ({utils.describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs "
+              f"trained) on {len(test_data.labels)} test images with {env.world_size} processes")
+    metrics = evaluate(model, test_loader, build_normalize(device), device, amp_dtype, len(test_data.labels))
+    utils.record_evaluation(args.out_dir, metrics, epoch, env, path)  # two lines, and eval.json
     return 0
 
 
 def main(args, explicit=frozenset()) -> int:
-    """Set up the processes, the out-dir and the checkpoint, then train (or only evaluate); tear down
-    whatever happens. A UserError ends every rank with exit status 2 and one line from rank 0 (from every
-    rank if the rendezvous failed, as then rank 0 may be the one still waiting)."""
-    env = read_dist_env()
+    """Set up the processes, the out-dir and the checkpoint, then train (or only evaluate); tear down whatever
+    happens. A UserError ends every rank with exit status 2 and one line from rank 0 (from all if rendezvous failed)."""
+    env = utils.read_dist_env()
     lock = None
     try:
-        env.device = pick_device(args.device, env.local_rank)
-        init_distributed(env, args.timeout)  # NCCL on GPUs, gloo on CPU
-        check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
-        lock = None if args.evaluate else lock_out_dir(args.out_dir, env)  # one run per out-dir; evaluation only reads
-        ckpt, ckpt_path, notes = find_checkpoint(args, explicit, env, model_config)
-        amp_dtype = resolve_amp(args.amp, env.device)
+        env.device = utils.pick_device(args.device, env.local_rank)
+        utils.init_distributed(env, args.timeout)  # NCCL on GPUs, gloo on CPU
+        utils.check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
+        lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir; evaluation only reads
+        ckpt, ckpt_path, notes = utils.find_checkpoint(args, explicit, env, model_config)
+        amp_dtype = utils.resolve_amp(args.amp, env.device)
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         if args.evaluate:
             return evaluate_checkpoint(args, env, ckpt, ckpt_path, amp_dtype)
         return train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock)
-    except UserError as e:
-        return leave_on_user_error(e)
+    except utils.UserError as e:
+        return utils.leave_on_user_error(e)
     finally:
         if lock:
             lock.release()
@@ -328,7 +304,4 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
-    parser = get_args_parser()
-    args = parser.parse_args()
-    sys.exit(run_cli(main, args, explicit_flags(parser, sys.argv[1:])))
+    sys.exit(utils.run_cli(main, get_args_parser()))  # parses the flags; Ctrl-C and dead peers said in a line

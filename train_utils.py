@@ -1,6 +1,7 @@
 """Helpers for train_ddp.py, grouped by concern; each group says what it is for. train_ddp.py holds
 the recipe; what is here is the machinery it calls by name."""
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -218,12 +219,17 @@ def agree_on_error(error: str | None) -> None:
         raise UserError(f"{msg} (on rank {rank})" if dist.is_initialized() and rank != 0 else msg)
 
 
-def catch_user_error(fn, *args, **kwargs):
-    """Run fn and return (result, error message or None), for agree_on_error."""
-    try:
-        return fn(*args, **kwargs), None
-    except UserError as e:
-        return None, str(e)
+def call_and_agree(fn, *args, here: bool = True):
+    """fn(*args) on this rank (if `here`), then agree_on_error: a UserError on any rank is raised on
+    every rank. Returns fn's result (None where it did not run)."""
+    result, error = None, None
+    if here:
+        try:
+            result = fn(*args)
+        except UserError as e:
+            error = str(e)
+    agree_on_error(error)
+    return result
 
 
 def leave_on_user_error(e: UserError) -> int:
@@ -258,10 +264,13 @@ def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
     return None
 
 
-def run_cli(main, args, explicit: set) -> int:
-    """main(args, explicit), minus the tracebacks a user should not have to read: Ctrl-C before the
-    training loop (which turns later ones into a checkpointed stop), and a hung or dead peer, said in
-    one line on every rank instead of a wall of C++ frames."""
+def run_cli(main, parser) -> int:
+    """Parse the command line and run main(args, explicit), minus the tracebacks a user should not have
+    to read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
+    or dead peer, said in one line on every rank instead of a wall of C++ frames."""
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
+    args = parser.parse_args()
+    explicit = explicit_flags(parser, sys.argv[1:])
     try:
         return main(args, explicit)
     except KeyboardInterrupt:
@@ -393,10 +402,11 @@ def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
 
 
-def no_sync(model):
-    """DDP's no_sync (skip the gradient all-reduce) through torch.compile's wrapper; a no-op without DDP."""
+def no_sync(model, skip: bool):
+    """DDP's no_sync (no gradient all-reduce in this backward) if `skip`, through torch.compile's wrapper;
+    a no-op without DDP."""
     ddp = getattr(model, "_orig_mod", model)
-    return ddp.no_sync() if isinstance(ddp, DDP) else nullcontext()
+    return ddp.no_sync() if skip and isinstance(ddp, DDP) else nullcontext()
 
 
 def restore_buffers(model: torch.nn.Module, kept: list) -> None:
@@ -780,9 +790,8 @@ def check_writable(out_dir: str) -> None:
 def lock_out_dir(out_dir: str, env: DistEnv):
     """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
     UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
-    agree_on_error(catch_user_error(check_writable, out_dir)[1] if env.is_main else None)
-    lock, err = catch_user_error(lambda: OutDirLock(out_dir).acquire()) if env.is_main else (None, None)
-    agree_on_error(err)
+    call_and_agree(check_writable, out_dir, here=env.is_main)
+    lock = call_and_agree(lambda: OutDirLock(out_dir).acquire(), here=env.is_main)
     if lock and lock.note:
         log(f"note: {lock.note}")
     return lock
@@ -942,6 +951,10 @@ class Progress:
     total_images: int = 0
     stopped_early: bool = False
 
+    def epochs_left(self, epochs: int) -> range:
+        """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
+        return range(self.epoch + 1, epochs + 1) if not self.stopped_early else range(0)
+
     def finish_epoch(self, metrics: dict, patience: int, target_accuracy: float) -> None:
         """Close a trained and evaluated epoch: keep its metrics, decide early stopping (from the
         all-reduced accuracy, so every rank decides alike), and start the next at its beginning."""
@@ -1017,32 +1030,24 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
     return None, None
 
 
-# What a checkpoint's run trained on: a run on other data must not continue it.
-
-
 def find_checkpoint(args, explicit: set, env: DistEnv, model_config):
     """The checkpoint this run continues (or --evaluate scores), its path, and notes on what this run
     changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it.
     `model_config(args)` is asked for after --evaluate has taken the checkpoint's flags."""
-    found, err = catch_user_error(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
-    agree_on_error(err)
+    found = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
     ckpt, path = found or (None, None)
     if args.evaluate and ckpt is None:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
-    notes, err = catch_user_error(reconcile_with_checkpoint, args, explicit, ckpt)
-    agree_on_error(err)
+    notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
     agree_on_error(check_resumable(ckpt, path, model_config(args), env.device, args.evaluate))
     return ckpt, path, notes
 
 
+# What a checkpoint's run trained on: a run on other data must not continue it.
 DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
 # What builds the model: the weights only fit the same shapes.
-
-
 MODEL_FLAGS = ("depth", "widen_factor")
 # What --evaluate may take from the command line instead of the checkpoint.
-
-
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
                  "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
 
