@@ -123,8 +123,7 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
         # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
             kept_buffers = [b.detach().clone() for b in utils.unwrap(model).buffers()]
-    if kept_buffers is not None:
-        utils.restore_buffers(model, kept_buffers)
+    utils.restore_buffers(model, kept_buffers)  # a no-op if nothing was kept
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
     return stats
@@ -178,12 +177,10 @@ def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
         n = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # made on the device: no host sync
         sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), n])
-    utils.all_reduce_sum(sums)
-    loss_sum, top1, top5_correct, count = sums.tolist()
+    loss_sum, top1, top5, count = utils.all_reduce_sum(sums).tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
-    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5_correct / count,
-            "val_count": int(count)}
+    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5 / count, "val_count": int(count)}
 
 
 def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
@@ -220,12 +217,10 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     utils.seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
 
     # ------------------------------------------------------------------ resume, then DDP
-    progress = (utils.restore_checkpoint(ckpt, ckpt_path, model, optimizer, scaler, args, env, config) if ckpt
-                else utils.Progress())  # where training stands: the epoch, and the position within it
+    progress = utils.restore_checkpoint(ckpt, ckpt_path, model, optimizer, scaler, args, env, config)  # where training stands
     bare_model = eval_model = model  # evaluate() needs no DDP (see there)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy
-        model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+        model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     if args.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = torch.compile(model, dynamic=False), torch.compile(bare_model, dynamic=False)
 
@@ -243,8 +238,7 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     for epoch in progress.epochs_left(args.epochs):
         if train_one_epoch(model, train_loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run):
             return utils.EXIT_STOPPED
-        stopping = run.stop.check(device, torch.tensor(progress.sums, dtype=torch.float64, device=device),
-                                  scaler.is_enabled())
+        stopping = run.stop.check(device, progress.sums, scaler.is_enabled())  # all ranks agree; a NaN loss raises
         val = evaluate(eval_model, test_loader, normalize, device, amp_dtype, len(test_data.labels))
         metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
         utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the seed's four lines
@@ -281,8 +275,7 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
 def main(args, explicit=frozenset()) -> int:
     """Set up the processes, the out-dir and the checkpoint, then train (or only evaluate); tear down whatever
     happens. A UserError ends every rank with exit status 2 and one line from rank 0 (from all if rendezvous failed)."""
-    env = utils.read_dist_env()
-    lock = None
+    env, lock = utils.read_dist_env(), None
     try:
         env.device = utils.pick_device(args.device, env.local_rank)
         utils.init_distributed(env, args.timeout)  # NCCL on GPUs, gloo on CPU

@@ -409,9 +409,9 @@ def no_sync(model, skip: bool):
     return ddp.no_sync() if skip and isinstance(ddp, DDP) else nullcontext()
 
 
-def restore_buffers(model: torch.nn.Module, kept: list) -> None:
-    """Put back copies taken of unwrap(model).buffers() (BatchNorm's running statistics)."""
-    for buffer, saved in zip(unwrap(model).buffers(), kept):
+def restore_buffers(model: torch.nn.Module, kept: list | None) -> None:
+    """Put back copies taken of unwrap(model).buffers() (BatchNorm's running statistics), if any."""
+    for buffer, saved in zip(unwrap(model).buffers(), kept or []):
         buffer.copy_(saved)
 
 
@@ -489,11 +489,12 @@ class StopRequest:
             self.signal = f"stop file {self.stop_file}"
         return self.signal is not None
 
-    def check(self, device, sums: torch.Tensor, allow_nonfinite: bool) -> bool:
+    def check(self, device, sums, allow_nonfinite: bool) -> bool:
         """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
-        non-finite (`sums` as from loss_stats: this epoch's loss * n, finite n, n). With fp16 the
-        grad scaler skips the odd overflowing step, so only divergence stops the run: a majority of
-        non-finite losses since the previous check."""
+        non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
+        fp16 the grad scaler skips the odd overflowing step, so only divergence stops the run: a majority
+        of non-finite losses since the previous check."""
+        sums = torch.as_tensor(sums, dtype=torch.float64, device=device)
         if allow_nonfinite:
             prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
             prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
@@ -1113,8 +1114,11 @@ def describe_model(cfg: dict) -> str:
     return f"WRN-{cfg['depth']}-{cfg['widen_factor']} with {cfg['num_classes']} classes"
 
 
-def restore_checkpoint(ckpt: dict, path: str, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:
-    """Load the checkpoint's state into this run's objects; say what changed. Returns its Progress."""
+def restore_checkpoint(ckpt, path: str, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:
+    """Load the checkpoint's state into this run's objects; say what changed. Returns its Progress, or a
+    new one (epoch 0) if there is no checkpoint."""
+    if ckpt is None:
+        return Progress()
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["scaler"]:  # empty unless that run used fp16
