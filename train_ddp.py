@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
-from model import WideResNet
 import train_utils as utils
+from model import WideResNet
 
 
 def get_args_parser() -> argparse.ArgumentParser:

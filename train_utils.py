@@ -1,5 +1,7 @@
 """Helpers for train_ddp.py, grouped by concern; each group says what it is for. train_ddp.py holds
 the recipe; what is here is the machinery it calls by name."""
+import argparse
+import copy
 import datetime
 import faulthandler
 import json
@@ -288,8 +290,6 @@ def run_cli(main, parser) -> int:
 
 def explicit_flags(parser, argv) -> set:
     """The flags given on the command line, as argparse dests (the rest are defaults)."""
-    import argparse
-    import copy
     probe = copy.deepcopy(parser)
     for action in probe._actions:
         action.default = argparse.SUPPRESS
@@ -649,7 +649,9 @@ class Records:
             write_text(self.metrics_path, "".join(ln for ln in lines if json.loads(ln)["epoch"] <= epochs_done))
             self.record = run_record(config, ranks)
             write_json(os.path.join(args.out_dir, "run.json"), self.record)
-            self.tensorboard = open_tensorboard(args.out_dir) if args.tensorboard else None
+            if args.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # optional; check_args made sure it imports
+                self.tensorboard = SummaryWriter(os.path.join(args.out_dir, "tensorboard"))
 
     def add_epoch(self, metrics: dict) -> None:
         if not self.env.is_main:
@@ -718,11 +720,6 @@ def run_record(config: dict, ranks: list) -> dict:
         "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
         "start_time": now_iso(), "end_time": None,
     }
-
-
-def open_tensorboard(out_dir: str):
-    from torch.utils.tensorboard import SummaryWriter  # check_args made sure it imports
-    return SummaryWriter(os.path.join(out_dir, "tensorboard"))
 
 
 def now_iso() -> str:
