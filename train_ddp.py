@@ -10,7 +10,8 @@ process drives the GPU of its LOCAL_RANK with NCCL; without CUDA it runs on CPU 
 
 train() is the recipe, top to bottom: the run's shape and LR, the data, the model, the resume,
 then for each epoch train_one_epoch() and evaluate(), a record and a checkpoint, and a summary.
-The three places marked ADAPT are where you plug in your own model and data.
+The three places marked ADAPT are where you plug in your own model and data (for a task other than
+classification, also loss_fn in train() and the metrics in evaluate()).
 """
 import argparse
 import sys
@@ -113,7 +114,7 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        with utils.no_sync(model, k < len(micro_sizes) - 1):  # DDP all-reduces only in the last micro-step's backward
+        with utils.no_sync(model, skip=k < len(micro_sizes) - 1):  # DDP all-reduces in the last micro-step's backward
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
@@ -154,8 +155,7 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
         if utils.stop_or_checkpoint_mid_epoch(run, progress, sums, t0, scaler.is_enabled()):
             return True
     # Summing over ranks waits for the slowest, like the seed's barrier, so the time is honest.
-    progress.sums = utils.all_reduce_sum(sums).tolist()
-    progress.elapsed_s = time.perf_counter() - t0
+    progress.sums, progress.elapsed_s = utils.all_reduce_sum(sums).tolist(), time.perf_counter() - t0
     run.progress_log.clear()
     return False
 
@@ -175,8 +175,8 @@ def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -
             logits = model(images)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
-        n = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # made on the device: no host sync
-        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), n])
+        count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # made on the device: no sync
+        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), count])
     loss_sum, top1, top5, count = utils.all_reduce_sum(sums).tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
@@ -211,7 +211,7 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = utils.to_device(model, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
-                                weight_decay=args.weight_decay, fused=device.type == "cuda")
+                                weight_decay=args.weight_decay, fused=device.type == "cuda")  # LR: set every step
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing, reduction="sum")  # train_step averages
     utils.seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
@@ -233,8 +233,8 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     records = utils.Records(args, env, config, ranks, progress.epoch)  # metrics.jsonl, run.json, TensorBoard
-    run = utils.RunContext(args, env, amp_dtype, lr, accum_steps, len(train_data.labels), utils.StopRequest(),
-                           utils.ProgressLog(args.log_every), save_state)
+    run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data.labels),
+                           stop=utils.StopRequest(), progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
     for epoch in progress.epochs_left(args.epochs):
         if train_one_epoch(model, train_loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run):
             return utils.EXIT_STOPPED
@@ -258,7 +258,7 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     device = env.device
     _, test_data = load_data(args, env, train=False)
     utils.agree_on_error(utils.check_same_data(ckpt, {"test": dataset_utils.fingerprint(test_data)}, args))
-    eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)
+    eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)  # ceil: any world size
     test_loader = dataset_utils.build_test_loader(test_data, env.rank, env.world_size, eval_batch, workers=0,
                                                   pin_memory=device.type == "cuda", device=utils.data_device(args, device))
     model = utils.to_device(build_model(args), device)
