@@ -175,8 +175,8 @@ def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -
             logits = model(images)
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
-        count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # made on the device: no sync
-        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), count])
+        batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
+        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), batch_count])
     loss_sum, top1, top5, count = utils.all_reduce_sum(sums).tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
