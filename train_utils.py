@@ -788,8 +788,11 @@ def check_writable(out_dir: str) -> None:
 def lock_out_dir(out_dir: str, env: DistEnv):
     """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
     UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
-    call_and_agree(check_writable, out_dir, here=env.is_main)
-    lock = call_and_agree(lambda: OutDirLock(out_dir).acquire(), here=env.is_main)
+    def check_and_acquire():
+        check_writable(out_dir)
+        return OutDirLock(out_dir).acquire()
+
+    lock = call_and_agree(check_and_acquire, here=env.is_main)  # one agreement for both steps
     if lock and lock.note:
         log(f"note: {lock.note}")
     return lock
