@@ -181,7 +181,7 @@ def seed_batches(data, per_rank_batch, env, workers, device):
 
 def build(args, env, device, channels_last, compile_model, fused):
     torch.manual_seed(0)
-    model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
+    model = WideResNet(args.depth, args.widen_factor, du.CIFAR100_CLASSES)
     model = model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=fused)
     ddp = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
@@ -243,7 +243,8 @@ def cpu_checks(args):
     hwc = data.images.permute(0, 2, 3, 1).numpy()
     pil_rates, tensor_rates = [], []
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
-    padded = du.pad(data.images)
+    pad = du.crop_padding(*data.images.shape[-2:])
+    padded = du.pad_images(data.images, pad)
     for rnd in range(3):  # interleaved rounds, the median of each
         t = time.perf_counter()
         for i in range(1024):
@@ -252,7 +253,7 @@ def cpu_checks(args):
         t = time.perf_counter()
         for s in range(0, 4096, 512):
             idx = torch.arange(s, s + 512)
-            normalize(du.crop_flip_batch(padded, idx, du.mix64(0, rnd, idx)))
+            normalize(du.crop_flip_batch(padded, idx, du.mix64(0, rnd, idx), pad))
         tensor_rates.append(4096 / (time.perf_counter() - t))
     aug = {"pil_img_per_s_per_core": statistics.median(pil_rates),
            "tensor_img_per_s_per_core": statistics.median(tensor_rates)}
@@ -264,7 +265,7 @@ def cpu_checks(args):
     from train_utils import STOP_CHECK_EVERY, StopRequest
     torch.set_num_threads(os.cpu_count() or 1)
     device, batch = torch.device("cpu"), args.batch_size
-    model = WideResNet(args.depth, args.widen_factor, du.NUM_CLASSES)
+    model = WideResNet(args.depth, args.widen_factor, du.CIFAR100_CLASSES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler, loss_fn = torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss()
     sum_loss = nn.CrossEntropyLoss(reduction="sum")  # what train_step takes

@@ -1,4 +1,8 @@
-"""CIFAR-100 (or synthetic data of its shape) as uint8 tensors, and the DDP data loaders.
+"""The data: CIFAR-100 (or learnable synthetic data of its shape) as uint8 tensors, what any
+data say of themselves (DataSpec), and the DDP data loaders.
+
+Whatever `load_data` in train_ddp.py returns decides the rest: the model's input channels and
+classes, the normalisation's mean and std, and the augmentation's crop, all from `describe_data`.
 
 The images stay uint8 until they reach the device: the loader workers only crop
 and flip, and normalisation runs on the device in `Normalize`. That keeps the
@@ -9,12 +13,13 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 """
 import functools
 import hashlib
+import math
 import os
 import pickle
 import signal
 import socket
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
@@ -29,18 +34,41 @@ CIFAR100_URL = os.environ.get("CIFAR100_URL", CIFAR100.url)
 CIFAR100_ARCHIVE = CIFAR100.filename  # cifar-100-python.tar.gz
 CIFAR100_MD5 = CIFAR100.tgz_md5
 CIFAR100_FOLDER = CIFAR100.base_folder  # cifar-100-python
-# Per-channel statistics of the CIFAR-100 training set.
+# What CIFAR-100 states of itself: its classes and its training set's per-channel statistics.
+CIFAR100_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
-NUM_CLASSES = 100
-PAD = 4  # random-crop padding, as in the WRN paper
 
 
 @dataclass
 class ImageData:
-    """One split: `images` uint8 (N, 3, 32, 32), `labels` int64 (N,)."""
+    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,). It may state its
+    number of classes and its per-channel mean and std (fractions of 255); describe_data computes
+    what it does not state. Data too large for memory: a Dataset instead (see describe_data)."""
     images: torch.Tensor
     labels: torch.Tensor
+    num_classes: int | None = None
+    mean: tuple | None = None
+    std: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What the data say of themselves; the model, the normalisation and the augmentation follow it.
+    Stored in config.json and in every checkpoint: a resume on data of another shape is refused."""
+    channels: int
+    height: int
+    width: int
+    num_classes: int
+    mean: tuple
+    std: tuple
+
+    def shape(self) -> dict:
+        """What the model's shapes follow: an image's channels, height and width, and the classes."""
+        return {"channels": self.channels, "height": self.height, "width": self.width, "num_classes": self.num_classes}
 
 
 # ----------------------------------------------------------------------------- CIFAR-100 on disk
@@ -119,21 +147,34 @@ def read_cifar100(data_dir: str, train: bool) -> ImageData:
         n = labels.numel()
         if data.dtype != torch.uint8 or data.shape != (n, 3 * 32 * 32):
             raise ValueError(f"data is {tuple(data.shape)} {data.dtype}, expected ({n}, 3072) uint8")
-        if n == 0 or labels.min() < 0 or labels.max() >= NUM_CLASSES:
-            raise ValueError(f"labels must lie in [0, {NUM_CLASSES})")
+        if n == 0 or labels.min() < 0 or labels.max() >= CIFAR100_CLASSES:
+            raise ValueError(f"labels must lie in [0, {CIFAR100_CLASSES})")
     except Exception as e:
         raise UserError(
             f"{path} is unreadable ({type(e).__name__}: {e}); delete {os.path.dirname(path)} to extract it again"
         ) from None
-    return ImageData(data.view(n, 3, 32, 32).contiguous(), labels)
+    return ImageData(data.view(n, 3, 32, 32).contiguous(), labels, num_classes=CIFAR100_CLASSES,
+                     mean=CIFAR100_MEAN, std=CIFAR100_STD)
 
 
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
-    """Random images and labels with CIFAR-100's shapes and dtypes: for smoke runs and benchmarks."""
+    """Images of CIFAR-100's shape and dtype whose class can be learned: each class has its own colour
+    and grating (the same in both splits), and every image adds its own noise. For smoke runs, which
+    then show learning, and for benchmarks, which do not look at the pixels."""
+    classes = torch.Generator().manual_seed(1234)  # the class patterns: one set for train and test
+    colour = torch.empty(CIFAR100_CLASSES, 3, 1, 1).uniform_(50, 205, generator=classes)
+    freq = torch.randint(1, 4, (CIFAR100_CLASSES, 2, 1, 1), generator=classes).float()
+    phase = torch.empty(CIFAR100_CLASSES, 1, 1).uniform_(0, 2 * math.pi, generator=classes)
+    yy, xx = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+    grating = torch.sin(2 * math.pi * (freq[:, 0] * xx + freq[:, 1] * yy) / 32 + phase)  # (classes, 32, 32)
+    patterns = colour + 45 * grating[:, None]
     g = torch.Generator().manual_seed(seed * 2 + int(train))
-    images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
-    labels = torch.randint(0, NUM_CLASSES, (n,), dtype=torch.int64, generator=g)
-    return ImageData(images, labels)
+    labels = torch.randint(0, CIFAR100_CLASSES, (n,), dtype=torch.int64, generator=g)
+    images = torch.empty(n, 3, 32, 32, dtype=torch.uint8)
+    for chunk in torch.arange(n).split(8192):  # in chunks: 50,000 float images would take 600 MB
+        noise = torch.randn(len(chunk), 3, 32, 32, generator=g) * 24
+        images[chunk] = (patterns[labels[chunk]] + noise).round_().clamp_(0, 255).to(torch.uint8)
+    return ImageData(images, labels, num_classes=CIFAR100_CLASSES)
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
@@ -142,21 +183,127 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
         full = make_synthetic(size or (50_000 if train else 10_000), train)
     else:
         full = read_cifar100(data_dir, train)
-    if size > len(full.labels):
+    if size > len(full):
         split = "train" if train else "test"
-        raise UserError(f"--{split}-size {size} exceeds the {len(full.labels)} {split} samples of {dataset}")
-    if size > 0:
-        full = ImageData(full.images[:size].clone(), full.labels[:size].clone())
+        raise UserError(f"--{split}-size {size} exceeds the {len(full)} {split} samples of {dataset}")
+    if size > 0:  # what the data state of themselves (classes, statistics) stays
+        full = replace(full, images=full.images[:size].clone(), labels=full.labels[:size].clone())
     return full
 
 
-def fingerprint(data: ImageData) -> str:
+def describe_data(train, test) -> DataSpec:
+    """What the splits that load_data returned say of themselves: an image's channels, height and width,
+    the number of classes, and the training split's per-channel mean and std. What a split states is
+    taken as stated (ImageData's fields; a Dataset's `num_classes`, `mean` and `std` attributes, or
+    its `classes` list as torchvision's datasets have); ImageData's rest is computed, from exact integer
+    sums, so that every rank gets the same numbers. A Dataset (too large to read twice) states its mean
+    and std. Raises UserError, naming load_data, if the splits are not what the loaders take."""
+    shape = check_split(train, "training")
+    if check_split(test, "test") != shape:
+        raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test images of "
+                        f"{' x '.join(map(str, check_split(test, 'test')))} (channels x height x width): "
+                        f"both splits must hold images of one shape")
+    num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
+    for split, name in ((train, "training"), (test, "test")):
+        labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
+        if labels is not None and len(labels) and not 0 <= int(min(labels)) <= int(max(labels)) < num_classes:
+            raise UserError(f"load_data's {name} labels span [{int(min(labels))}, {int(max(labels))}], outside "
+                            f"[0, {num_classes}) for {num_classes} classes: labels must be class indices 0, 1, ...")
+    mean, std = getattr(train, "mean", None), getattr(train, "std", None)
+    if mean is None or std is None:
+        if not isinstance(train, ImageData):
+            raise UserError(f"load_data's training {type(train).__name__} states no per-channel mean and std, and "
+                            f"computing them would read all of it: set its .mean and .std (tuples of {shape[0]} "
+                            f"fractions of 255) in load_data")
+        mean, std = channel_stats(train.images)
+    if len(mean) != shape[0] or len(std) != shape[0] or min(std) <= 0:
+        raise UserError(f"load_data states mean {tuple(mean)} and std {tuple(std)}: each needs {shape[0]} values "
+                        f"(one per channel), and std must be positive")
+    return DataSpec(*shape, num_classes=int(num_classes), mean=tuple(map(float, mean)), std=tuple(map(float, std)))
+
+
+def image_shape(split) -> dict:
+    """A split's image channels, height and width, checked as describe_data checks them."""
+    return dict(zip(("channels", "height", "width"), check_split(split, "test")))
+
+
+def check_split(split, name: str) -> tuple:
+    """(channels, height, width) of a split's images; UserError if it is not ImageData of uint8 images
+    (N, C, H, W) and int64 labels (N,), or a Dataset of (uint8 C x H x W tensor, integer label)."""
+    if isinstance(split, ImageData):
+        images, labels = split.images, split.labels
+        if images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64 or labels.shape != (len(images),):
+            raise UserError(f"load_data's {name} ImageData holds images {tuple(images.shape)} {images.dtype} and labels "
+                            f"{tuple(labels.shape)} {labels.dtype}: it needs uint8 images (N, C, H, W) and int64 labels (N,)")
+        if len(images) == 0:
+            raise UserError(f"load_data's {name} split is empty")
+        return tuple(images.shape[1:])
+    if not (hasattr(split, "__getitem__") and hasattr(split, "__len__")):
+        raise UserError(f"load_data returned a {type(split).__name__} as the {name} split: return "
+                        f"dataset_utils.ImageData, or a Dataset of (uint8 C x H x W tensor, label)")
+    if len(split) == 0:
+        raise UserError(f"load_data's {name} split is empty")
+    item = split[0]
+    image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+    if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3) or not (
+            isinstance(label, int) or (isinstance(label, torch.Tensor) and label.dim() == 0)):
+        got = f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} {getattr(image, 'dtype', '')}".strip()
+        raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) as item 0: "
+                        f"it must yield (uint8 tensor C x H x W, integer label); for image files, read them with "
+                        f"torchvision.io.decode_image (ImageFolder(root, loader=...))")
+    return tuple(image.shape)
+
+
+def stated_classes(split) -> int | None:
+    """The number of classes a split states: num_classes, or the length of its `classes` list."""
+    if getattr(split, "num_classes", None):
+        return split.num_classes
+    return len(split.classes) if isinstance(getattr(split, "classes", None), (list, tuple)) else None
+
+
+def count_classes(train, test) -> int:
+    """1 + the largest label of either split (a Dataset must list its labels as `targets`)."""
+    highest = []
+    for split in (train, test):
+        labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
+        if labels is None:
+            raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its .num_classes "
+                            f"(or .classes, or .targets, the list of its labels) in load_data")
+        highest.append(int(max(labels)))
+    return max(highest) + 1
+
+
+def channel_stats(images: torch.Tensor) -> tuple:
+    """Per-channel mean and std of uint8 images (N, C, H, W), as fractions of 255. Integer sums are exact,
+    so the result is the same on every rank, whatever its threads."""
+    total = torch.zeros(images.shape[1], dtype=torch.int64)
+    squares = torch.zeros_like(total)
+    for chunk in images.split(4096):  # int64 copies of 4096 images at a time, not of the whole set
+        x = chunk.to(torch.int64)
+        total += x.sum(dim=(0, 2, 3))
+        squares += (x * x).sum(dim=(0, 2, 3))
+    count = images.numel() // images.shape[1]
+    mean = total.double() / count
+    std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
+    std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
+
+def fingerprint(data) -> str:
     """A short hash of the samples themselves (about 0.2 s for CIFAR-100's 150 MB), stored in every
-    checkpoint: a resume on other data is refused, whatever the flags or the data dir say."""
+    checkpoint: a resume on other data is refused, whatever the flags or the data dir say. Of a Dataset
+    (not read whole), its labels if it lists them as `targets`, and its first and last samples."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(data.labels.numpy().tobytes())
-    h.update(data.images.contiguous().numpy().data)
-    return f"{len(data.labels)}:{h.hexdigest()}"
+    if isinstance(data, ImageData):
+        h.update(data.labels.numpy().tobytes())
+        h.update(data.images.contiguous().numpy().data)
+    else:
+        if getattr(data, "targets", None) is not None:
+            h.update(torch.as_tensor(data.targets, dtype=torch.int64).numpy().tobytes())
+        for i in sorted({0, len(data) - 1}):
+            image, label = data[i]
+            h.update(image.contiguous().numpy().tobytes() + str(int(label)).encode())
+    return f"{len(data)}:{h.hexdigest()}"
 
 
 # ----------------------------------------------------------------------------- augmentation and loaders
@@ -188,35 +335,75 @@ def mix64(seed: int, epoch: int, idx):
     return h
 
 
-def crop_params(h):
-    """Crop offsets (0..8 in the 40x40 padded image) and flip (0/1) from a hash, int or tensor."""
-    return (h & 0xFFFF) % 9, ((h >> 16) & 0xFFFF) % 9, (h >> 32) & 1
+# The augmentation, in one place: zero-pad by an eighth of each side (at least 1 pixel; 4 for 32, as in the
+# WRN paper), crop back to the image's size at an offset drawn from the hash, and mirror left-right on
+# one bit of it. crop_flip (one image, the CPU workers) and crop_flip_batch (a batch, on the device)
+# cut the same pixels for the same hash.
+
+def crop_padding(height: int, width: int) -> tuple:
+    """The random crop's zero padding (rows, columns) on each side for an image of this size."""
+    return max(1, height // 8), max(1, width // 8)
 
 
-def pad(images: torch.Tensor) -> torch.Tensor:
-    """Zero-pad by PAD on each side, once up front, so that a random crop is a slice or a gather."""
-    return torch.nn.functional.pad(images, (PAD,) * 4)
+def crop_params(h, pad: tuple):
+    """Crop offsets x in 0..2*pad_x and y in 0..2*pad_y of the padded image, and flip (0/1), from a hash
+    (int or tensor)."""
+    pad_y, pad_x = pad
+    return (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
 
 
-class CIFARDataset(Dataset):
-    """uint8 images and labels. With `augment`, items are keyed (epoch, index) and get a random
-    32x32 crop of the zero-padded 40x40 image and a random horizontal flip, drawn from
-    hash(seed, epoch, index): the same for any number of ranks or workers."""
+def pad_images(images: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """Zero-pad the last two dims, once up front, so that a random crop is a slice or a gather."""
+    pad_y, pad_x = pad
+    return torch.nn.functional.pad(images, (pad_x, pad_x, pad_y, pad_y))
 
-    def __init__(self, data: ImageData, augment: bool = False, seed: int = 0):
-        self.labels, self.augment, self.seed = data.labels, augment, seed
-        self.images = pad(data.images) if augment else data.images
+
+def crop_flip(padded: torch.Tensor, h: int, pad: tuple) -> torch.Tensor:
+    """One padded image (C, H + 2 pad_y, W + 2 pad_x) -> its random (C, H, W) crop, maybe mirrored."""
+    dx, dy, flip = crop_params(h, pad)
+    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
+    img = padded[:, dy:dy + height, dx:dx + width]
+    return img.flip(-1) if flip else img
+
+
+def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """crop_flip for a batch, as tensor ops on the device: gather the images `idx` of the padded
+    (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, then their rows and (possibly mirrored) columns."""
+    dx, dy, flip = crop_params(h, pad)
+    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
+    across = torch.arange(width, device=padded.device)
+    rows = dy[:, None] + torch.arange(height, device=padded.device)
+    cols = dx[:, None] + torch.where(flip[:, None].bool(), width - 1 - across, across)
+    x = padded[idx]
+    b, c = x.shape[:2]
+    x = x.gather(2, rows[:, None, :, None].expand(b, c, height, x.shape[3]))
+    return x.gather(3, cols[:, None, None, :].expand(b, c, height, width))
+
+
+class ImageDataset(Dataset):
+    """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
+    label) whose items the loader's workers read. With `augment`, items are keyed (epoch, index) and get
+    crop_flip with hash(seed, epoch, index): the same for any number of ranks or workers."""
+
+    def __init__(self, data, augment: bool = False, seed: int = 0):
+        self.data, self.augment, self.seed = data, augment, seed
+        self.in_memory = isinstance(data, ImageData)
+        self.image_shape = tuple(data.images.shape[1:]) if self.in_memory else tuple(data[0][0].shape)
+        self.pad = crop_padding(*self.image_shape[1:])
+        if self.in_memory:  # padded once, up front
+            self.images = pad_images(data.images, self.pad) if augment else data.images
 
     def __len__(self):
-        return len(self.labels)
+        return len(self.data)
 
     def __getitem__(self, key):
-        if not self.augment:
-            return self.images[key], self.labels[key]
-        epoch, idx = key
-        dx, dy, flip = crop_params(mix64(self.seed, epoch, idx))  # 9 x 9 offsets x 2 flips
-        img = self.images[idx, :, dy:dy + 32, dx:dx + 32]
-        return (img.flip(-1) if flip else img), self.labels[idx]
+        epoch, idx = key if self.augment else (None, key)
+        if self.in_memory:
+            image, label = self.images[idx], self.data.labels[idx]
+        else:
+            image, label = self.data[idx]
+            image = pad_images(image, self.pad) if self.augment else image
+        return (crop_flip(image, mix64(self.seed, epoch, idx), self.pad) if self.augment else image), label
 
 
 class EpochSampler:
@@ -273,31 +460,31 @@ def _collate(shape, batch):
     return default_collate(batch)
 
 
-def build_loaders(train: ImageData, test: ImageData, batch_size: int, rank: int, world_size: int,
+def build_loaders(train, test, batch_size: int, rank: int, world_size: int,
                   accum_steps: int, eval_batch: int, seed: int, workers: int, pin_memory: bool, device=None):
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
     micro-batches back to back; call sampler.set_epoch each epoch) and the test loader (sharded
     without padding or dropping: every test image is scored exactly once, in batches of `eval_batch`).
-    With `device`, both are DeviceLoaders over data held on that device; else DataLoaders."""
-    sampler = EpochSampler(len(train.labels), batch_size, rank, world_size, accum_steps, seed)
+    The splits are ImageData or Datasets (describe_data). With `device`, both are DeviceLoaders over
+    ImageData held on that device; else DataLoaders."""
+    sampler = EpochSampler(len(train), batch_size, rank, world_size, accum_steps, seed)
     test_loader = build_test_loader(test, rank, world_size, eval_batch, workers, pin_memory, device)
     if device is not None:
         return DeviceLoader(train, device, sampler=sampler, seed=seed), test_loader
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
     # it starts an epoch, which would make dropout depend on whether the run was resumed.
-    train_loader = DataLoader(CIFARDataset(train, augment=True, seed=seed), batch_sampler=sampler,
-                              collate_fn=functools.partial(_collate, tuple(train.images.shape[1:])),
+    dataset = ImageDataset(train, augment=True, seed=seed)
+    train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, dataset.image_shape),
                               **_loader_options(workers, pin_memory, seed))
     return train_loader, test_loader
 
 
-def build_test_loader(test: ImageData, rank: int, world_size: int, batch_size: int, workers: int,
-                      pin_memory: bool, device=None):
+def build_test_loader(test, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool, device=None):
     """Rank r scores test images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
-    shard = range(rank, len(test.labels), world_size)
+    shard = range(rank, len(test), world_size)
     if device is not None:
         return DeviceLoader(test, device, indices=shard, batch_size=batch_size)
-    return DataLoader(CIFARDataset(test), batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory))
+    return DataLoader(ImageDataset(test), batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory))
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
@@ -311,19 +498,6 @@ def _ignore_ctrl_c(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """Batched random crop and flip, as tensor ops on the device: gather the images `idx` of the
-    padded (N, 3, 40, 40) uint8 tensor, then their rows and (possibly mirrored) columns."""
-    dx, dy, flip = crop_params(h)
-    ar = torch.arange(32, device=padded.device)
-    rows = dy[:, None] + ar
-    cols = dx[:, None] + torch.where(flip[:, None].bool(), 31 - ar, ar)
-    x = padded[idx]
-    b, c = x.shape[:2]
-    x = x.gather(2, rows[:, None, :, None].expand(b, c, 32, x.shape[3]))
-    return x.gather(3, cols[:, None, None, :].expand(b, c, 32, 32))
-
-
 class DeviceLoader:
     """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB), and each batch is
     gathered and augmented there with tensor ops: no CPU workers, no host-to-device copies.
@@ -334,7 +508,8 @@ class DeviceLoader:
         self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
         self.batch_sampler = sampler  # as DataLoader names it
         augment = sampler is not None
-        images = pad(data.images) if augment else data.images
+        self.pad = crop_padding(*data.images.shape[-2:])
+        images = pad_images(data.images, self.pad) if augment else data.images
         self.images, self.labels = images.to(device), data.labels.to(device)
         self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.int64, device=device)
 
@@ -352,7 +527,7 @@ class DeviceLoader:
         h = mix64(self.seed, self.sampler.epoch, order)
         sizes = [len(keys) for keys in steps]
         for idx, hs in zip(order.split(sizes), h.split(sizes)):
-            yield crop_flip_batch(self.images, idx, hs), self.labels[idx]
+            yield crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
 
 
 class Normalize(torch.nn.Module):
@@ -360,9 +535,9 @@ class Normalize(torch.nn.Module):
 
     def __init__(self, mean, std, device, channels_last: bool = False):
         super().__init__()
-        std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(std, device=device).view(1, -1, 1, 1)  # one value per channel
         self.scale = 1.0 / (255.0 * std)
-        self.shift = torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
+        self.shift = torch.tensor(mean, device=device).view(1, -1, 1, 1) / std
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

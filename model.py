@@ -5,9 +5,11 @@ WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with
 code: BN-ReLU before each 3x3 conv, optional dropout between the two convs, and a
 1x1 projection shortcut wherever the block changes the shape.
 
-ADAPT: to train your own network, replace `build_model` in train_ddp.py; nothing
-else in the training script depends on this file.
+ADAPT: to train your own network, replace `build_model` and `model_config` in train_ddp.py;
+nothing else in the training script depends on this file, but for the checks of its flags below.
 """
+import argparse
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,6 +22,22 @@ def check_depth(depth: int) -> int:
             f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}"
         )
     return (depth - 4) // 6
+
+
+def depth_arg(text: str) -> int:
+    """--depth as argparse reads it: refused on the command line, in one line, unless it is 6n+4."""
+    try:
+        check_depth(int(text) if text.lstrip("-").isdigit() else -1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).rsplit(", got", 1)[0] + f", got {text}") from None
+    return int(text)
+
+
+def width_arg(text: str) -> int:
+    """--widen-factor as argparse reads it: an integer of at least 1."""
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"WideResNet widen_factor must be an integer >= 1, got {text}")
+    return int(text)
 
 
 class BasicBlock(nn.Module):
@@ -46,13 +64,14 @@ class BasicBlock(nn.Module):
 
 
 class WideResNet(nn.Module):
-    def __init__(self, depth: int = 16, widen_factor: int = 8, num_classes: int = 100, dropout: float = 0.0):
+    def __init__(self, depth: int = 16, widen_factor: int = 8, num_classes: int = 100, dropout: float = 0.0,
+                 in_channels: int = 3):
         super().__init__()
         n = check_depth(depth)
         if widen_factor < 1:
             raise ValueError(f"WideResNet widen_factor must be >= 1, got {widen_factor}")
         widths = [16, 16 * widen_factor, 32 * widen_factor, 64 * widen_factor]
-        self.conv1 = nn.Conv2d(3, widths[0], 3, padding=1, bias=False)
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False)
         layers, in_planes = [], widths[0]
         for group, out_planes in enumerate(widths[1:]):
             for i in range(n):

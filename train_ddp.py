@@ -10,8 +10,10 @@ process drives the GPU of its LOCAL_RANK with NCCL; without CUDA it runs on CPU 
 
 train() is the recipe, top to bottom: the run's shape and LR, the data, the model, the resume,
 then for each epoch train_one_epoch() and evaluate(), a record and a checkpoint, and a summary.
-The three places marked ADAPT are where you plug in your own model and data (for a task other than
-classification, also loss_fn in train() and the metrics in evaluate()).
+The two places marked ADAPT are where you plug in your own model and data: the data describe
+themselves (channels, size, classes, mean and std), and the model, the normalisation and the
+augmentation follow them. For a task other than classification, also change loss_fn in train()
+and the metrics in evaluate().
 """
 import argparse
 import sys
@@ -24,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dataset_utils
 import train_utils as utils
-from model import WideResNet
+from model import WideResNet, depth_arg, width_arg
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -39,11 +41,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) that counts towards early stopping")
     p.add_argument("--patience", type=int, default=2, help="stop after this many consecutive epochs at or above the target")
     # Model.
-    p.add_argument("--depth", type=int, default=16, help="WideResNet depth, 6n+4")
-    p.add_argument("--widen-factor", type=int, default=8, help="WideResNet width multiplier k")
+    p.add_argument("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
+    p.add_argument("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
     # Data.
-    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: random data of CIFAR-100's shape, no download")
+    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: learnable generated data of CIFAR-100's shape, no download")
     p.add_argument("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
     p.add_argument("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
     p.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
@@ -76,29 +78,27 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_model(args) -> nn.Module:
-    # ADAPT (1/3): your model here, and in model_config what defines its shape (a checkpoint must match it).
-    return WideResNet(args.depth, args.widen_factor, dataset_utils.NUM_CLASSES, args.dropout)
+def build_model(args, data: dataset_utils.DataSpec) -> nn.Module:
+    # ADAPT (1/2): your model here, taking its input channels and classes from `data`; and in model_config
+    # what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
+    return WideResNet(args.depth, args.widen_factor, num_classes=data.num_classes, dropout=args.dropout,
+                      in_channels=data.channels)
 
 
-def model_config(args) -> dict:
-    return {"depth": args.depth, "widen_factor": args.widen_factor, "num_classes": dataset_utils.NUM_CLASSES}
+def model_config(args, data: dataset_utils.DataSpec) -> dict:
+    return {"name": f"WRN-{args.depth}-{args.widen_factor}", "depth": args.depth, "widen_factor": args.widen_factor,
+            "in_channels": data.channels, "num_classes": data.num_classes}
 
 
 def load_data(args, env, train: bool = True):
-    """The (train, test) splits as ImageData (uint8 images, int64 labels); train is None if not asked for."""
-    # ADAPT (2/3): your data here: two ImageData, or your own Dataset in dataset_utils.build_loaders.
+    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
+    that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
+    not asked for. The rest follows from what this returns: see dataset_utils.describe_data."""
+    # ADAPT (2/2): your data here.
     if args.dataset == "cifar100":  # one process per node fetches and checks it (the data dir may be node-local)
         utils.call_and_agree(dataset_utils.prepare_cifar100, args.data_dir, here=env.local_rank == 0)
-    return utils.call_and_agree(lambda: (  # an error on any rank is raised on every rank, so none waits forever
-        dataset_utils.load_split(args.dataset, args.data_dir, True, args.train_size) if train else None,
-        dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size)))
-
-
-def build_normalize(device) -> nn.Module:
-    # ADAPT (3/3): your training set's per-channel mean and standard deviation.
-    return dataset_utils.Normalize(dataset_utils.CIFAR100_MEAN, dataset_utils.CIFAR100_STD, device,
-                                   channels_last=device.type == "cuda")  # the model's layout on CUDA
+    return (dataset_utils.load_split(args.dataset, args.data_dir, True, args.train_size) if train else None,
+            dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size))
 
 
 def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes, step_samples):
@@ -195,18 +195,22 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     utils.log_start(config, env, notes)  # the seed's first lines, the config, the batch split and LR
 
     # ------------------------------------------------------------------ data
-    train_data, test_data = load_data(args, env)
+    train_data, test_data = utils.call_and_agree(load_data, args, env)  # an error on any rank: raised on all
+    data = utils.call_and_agree(dataset_utils.describe_data, train_data, test_data)  # channels, size, classes, stats
+    config["data_spec"] = utils.log_data(data, n_train=len(train_data), n_test=len(test_data))
     fingerprints = {"train": dataset_utils.fingerprint(train_data), "test": dataset_utils.fingerprint(test_data)}
-    utils.agree_on_error(utils.check_same_data(ckpt, fingerprints, args))  # never continue a run on other data
+    utils.call_and_agree(utils.check_same_data, ckpt, args, data.shape(), fingerprints)  # never continue on other data
+    utils.call_and_agree(utils.check_same_model, ckpt, ckpt_path, model_config(args, data))
     # Training: each rank's share of every global batch. Test: rank r scores images r, r + world_size, ...
     train_loader, test_loader = dataset_utils.build_loaders(
         train_data, test_data, args.batch_size, env.rank, env.world_size, accum_steps, config["micro_batch_size"],
-        args.seed, config["num_workers"], pin_memory=device.type == "cuda", device=utils.data_device(args, device))
-    normalize = build_normalize(device)  # uint8 on the device -> normalised float
+        args.seed, config["num_workers"], pin_memory=device.type == "cuda",
+        device=utils.data_device(args, device, train_data))
+    normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")  # uint8 -> float
 
     # ------------------------------------------------------------------ model and optimizer
     utils.seed_everything(args.seed)  # the same initial weights on every rank
-    model = build_model(args)
+    model = build_model(args, data)
     if args.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = utils.to_device(model, device)
@@ -226,20 +230,21 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
 
     def save_state():
         """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes."""
-        state = utils.training_state(bare_model, optimizer, scaler, progress, config, model_config(args), fingerprints, device)
+        state = utils.training_state(bare_model, optimizer, scaler, progress, config, model_config(args, data),
+                                     fingerprints, device)
         if env.is_main:
             lock.check()  # never write over another run's checkpoint
             utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     records = utils.Records(args, env, config, ranks, progress.epoch)  # metrics.jsonl, run.json, TensorBoard
-    run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data.labels),
+    run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data),
                            stop=utils.StopRequest(), progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
     for epoch in progress.epochs_left(args.epochs):
         if train_one_epoch(model, train_loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run):
             return utils.EXIT_STOPPED
         stopping = run.stop.check(device, progress.sums, scaler.is_enabled())  # all ranks agree; a NaN loss raises
-        val = evaluate(eval_model, test_loader, normalize, device, amp_dtype, len(test_data.labels))
+        val = evaluate(eval_model, test_loader, normalize, device, amp_dtype, len(test_data))
         metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
         utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the seed's four lines
         progress.finish_epoch(metrics, args.patience, args.target_accuracy)  # early stopping decided here
@@ -249,25 +254,30 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
             return utils.EXIT_STOPPED
         if action == "end":  # early stopping, or --stop-after-epoch
             break
-    records.finish(progress, len(train_data.labels), len(test_data.labels))  # summary.json and the seed's summary
+    records.finish(progress, len(train_data), len(test_data))  # summary.json and the seed's summary
     return 0
 
 
 def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
     device = env.device
-    _, test_data = load_data(args, env, train=False)
-    utils.agree_on_error(utils.check_same_data(ckpt, {"test": dataset_utils.fingerprint(test_data)}, args))
+    _, test_data = utils.call_and_agree(load_data, args, env, False)
+    data = dataset_utils.DataSpec(**ckpt["config"]["data_spec"])  # the training set's, with its mean and std
+    utils.call_and_agree(utils.check_same_data, ckpt, args, dataset_utils.image_shape(test_data),
+                         {"test": dataset_utils.fingerprint(test_data)})
+    utils.call_and_agree(utils.check_same_model, ckpt, path, model_config(args, data))
     eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)  # ceil: any world size
     test_loader = dataset_utils.build_test_loader(test_data, env.rank, env.world_size, eval_batch, workers=0,
-                                                  pin_memory=device.type == "cuda", device=utils.data_device(args, device))
-    model = utils.to_device(build_model(args), device)
+                                                  pin_memory=device.type == "cuda",
+                                                  device=utils.data_device(args, device, test_data))
+    model = utils.to_device(build_model(args, data), device)
     model.load_state_dict(ckpt["model"])
     model = torch.compile(model, dynamic=False) if args.compile else model
     epoch = ckpt["progress"]["epoch"]
     utils.log(f"Evaluating {path} ({utils.describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs "
-              f"trained) on {len(test_data.labels)} test images with {env.world_size} processes")
-    metrics = evaluate(model, test_loader, build_normalize(device), device, amp_dtype, len(test_data.labels))
+              f"trained) on {len(test_data)} test images with {env.world_size} processes")
+    normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")
+    metrics = evaluate(model, test_loader, normalize, device, amp_dtype, len(test_data))
     utils.record_evaluation(args.out_dir, metrics, epoch, env, path)  # two lines, and eval.json
     return 0
 
@@ -281,7 +291,7 @@ def main(args, explicit=frozenset()) -> int:
         utils.init_distributed(env, args.timeout)  # NCCL on GPUs, gloo on CPU
         utils.check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir; evaluation only reads
-        ckpt, ckpt_path, notes = utils.find_checkpoint(args, explicit, env, model_config)
+        ckpt, ckpt_path, notes = utils.find_checkpoint(args, explicit, env)
         amp_dtype = utils.resolve_amp(args.amp, env.device)
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         if args.evaluate:

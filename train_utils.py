@@ -223,13 +223,16 @@ def agree_on_error(error: str | None) -> None:
 
 def call_and_agree(fn, *args, here: bool = True):
     """fn(*args) on this rank (if `here`), then agree_on_error: a UserError on any rank is raised on
-    every rank. Returns fn's result (None where it did not run)."""
+    every rank, and so is an OSError (a missing or unreadable file), named after fn. Returns fn's
+    result (None where it did not run)."""
     result, error = None, None
     if here:
         try:
             result = fn(*args)
         except UserError as e:
             error = str(e)
+        except OSError as e:
+            error = f"{getattr(fn, '__name__', 'a call')} failed: {e}"
     agree_on_error(error)
     return result
 
@@ -271,6 +274,7 @@ def run_cli(main, parser) -> int:
     to read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
     or dead peer, said in one line on every rank instead of a wall of C++ frames."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
+    parser.error = lambda message: refuse_flags(parser, message)
     args = parser.parse_args()
     explicit = explicit_flags(parser, sys.argv[1:])
     try:
@@ -288,6 +292,15 @@ def run_cli(main, parser) -> int:
 # ----------------------------------------------------------------------------- arguments and the shape of a run
 # Bad input refused in one line; the batch split, the LR, and the config that records them.
 
+def refuse_flags(parser, message: str):
+    """argparse's error, in this script's form: one `error:` line from rank 0 (every rank parses the
+    same command line and leaves with it), exit status 2."""
+    if _is_main():
+        parser.print_usage(sys.stderr)
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def explicit_flags(parser, argv) -> set:
     """The flags given on the command line, as argparse dests (the rest are defaults)."""
     probe = copy.deepcopy(parser)
@@ -301,16 +314,11 @@ def check_args(args, world_size: int, device: torch.device) -> None:
     if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
         raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
                         f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
-    try:
-        from model import check_depth
-        check_depth(args.depth)
-    except ValueError as e:
-        raise UserError(f"--depth: {e}") from None
     if args.epochs < 1:
         raise UserError(f"--epochs must be at least 1, got {args.epochs}")
     if not 0.0 <= args.target_accuracy <= 1.0:
         raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "widen_factor", "reference_batch_size", "keep_checkpoints"):
+    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
@@ -382,10 +390,14 @@ def run_config(args, env: DistEnv, ranks: list, per_rank_batch: int, accum_steps
             "device_type": env.device.type, "amp_dtype": str(amp_dtype)}
 
 
-def data_device(args, device: torch.device):
-    """Where the loaders keep the data: the GPU (--loader gpu, the default on CUDA), or None for
-    DataLoaders with CPU workers."""
-    return device if args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda") else None
+def data_device(args, device: torch.device, split):
+    """Where the loaders keep the data: the GPU (--loader gpu, the default on CUDA, for data held in
+    memory), or None for DataLoaders with CPU workers (--loader torch, and any Dataset)."""
+    in_memory = hasattr(split, "images")  # dataset_utils.ImageData; a Dataset is read by the workers
+    if args.loader == "gpu" and not in_memory:
+        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data returned "
+                        f"a {type(split).__name__}: use --loader torch (or auto)")
+    return device if in_memory and (args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda")) else None
 
 
 # ----------------------------------------------------------------------------- the model across ranks
@@ -613,6 +625,14 @@ def log_start(config: dict, env: DistEnv, notes: list) -> None:
         f"{config['base_lr']:g} from batch {config['reference_batch_size']})")
     for note in notes:
         log(f"note: {note}")
+
+
+def log_data(data, n_train: int, n_test: int) -> dict:
+    """One line on what the data say of themselves; returns it as the config stores it."""
+    log(f"Data: {n_train} training and {n_test} test images of {data.channels} x {data.height} x {data.width}, "
+        f"{data.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in data.mean)}, "
+        f"std {tuple(round(s, 4) for s in data.std)}")
+    return asdict(data)
 
 
 def log_epoch(metrics: dict, epochs: int, n_finite: float) -> None:
@@ -1031,23 +1051,21 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
     return None, None
 
 
-def find_checkpoint(args, explicit: set, env: DistEnv, model_config):
+def find_checkpoint(args, explicit: set, env: DistEnv):
     """The checkpoint this run continues (or --evaluate scores), its path, and notes on what this run
-    changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it.
-    `model_config(args)` is asked for after --evaluate has taken the checkpoint's flags."""
+    changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it
+    (the data and the model are checked once loaded: check_same_data, check_same_model)."""
     found = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
     ckpt, path = found or (None, None)
     if args.evaluate and ckpt is None:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
     notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
-    agree_on_error(check_resumable(ckpt, path, model_config(args), env.device, args.evaluate))
+    agree_on_error(check_resumable(ckpt, path, env.device, args.evaluate))
     return ckpt, path, notes
 
 
 # What a checkpoint's run trained on: a run on other data must not continue it.
 DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
-# What builds the model: the weights only fit the same shapes.
-MODEL_FLAGS = ("depth", "widen_factor")
 # What --evaluate may take from the command line instead of the checkpoint.
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
                  "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
@@ -1070,8 +1088,9 @@ def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
     elif "micro_batch" not in explicit and saved.get("micro_batch_size"):
         # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
         args.micro_batch = saved.get("micro_batch") or saved["micro_batch_size"]
-    for key in DATA_FLAGS + MODEL_FLAGS:
-        if key in saved and getattr(args, key) != saved[key]:
+    model_flags = [k for k in ckpt["model_config"] if hasattr(args, k)]  # the flags build_model's shapes follow
+    for key in DATA_FLAGS + tuple(model_flags):
+        if key in saved and hasattr(args, key) and getattr(args, key) != saved[key]:
             flag = "--" + key.replace("_", "-")
             what = "data" if key in DATA_FLAGS else "model"
             raise UserError(f"{flag} {getattr(args, key)} differs from the {saved[key]} of the checkpoint in "
@@ -1080,29 +1099,47 @@ def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
     if args.evaluate:
         return []
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in vars(args).items()
-               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + MODEL_FLAGS and saved[k] != v
+               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + tuple(model_flags) and saved[k] != v
                and (k != "micro_batch" or k in explicit)]  # a kept per-rank memory cap is no change
     return ["resumed with changes: " + ", ".join(changed)] if changed else []
 
 
-def check_same_data(ckpt, fingerprints: dict, args) -> str | None:
-    """Why the data just loaded are not those the checkpoint saw (same flags, other files), or None."""
-    saved = (ckpt or {}).get("data", {})
+def check_same_data(ckpt, args, shape: dict, fingerprints: dict) -> None:
+    """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
+    (`shape`: DataSpec.shape() or dataset_utils.image_shape()), then the samples themselves (same flags,
+    other files)."""
+    if ckpt is None:
+        return
+    saved_shape = {k: ckpt["config"]["data_spec"][k] for k in shape}
+    if saved_shape != shape:
+        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {args.out_dir} was trained "
+                        f"on {describe_shape(saved_shape)}: use another --out-dir for a new run, or load the data "
+                        f"it trained on")
+    saved = ckpt["data"]
     for split, fp in fingerprints.items():
-        if split in saved and saved[split] != fp:
-            return (f"the {split} data in --data-dir {args.data_dir} differ from those the checkpoint in {args.out_dir} "
-                    f"was trained on (fingerprint {fp}, checkpoint {saved[split]}): point --data-dir at the same "
-                    f"data, or use another --out-dir for a new run")
-    return None
+        if saved[split] != fp:
+            raise UserError(f"the {split} data in --data-dir {args.data_dir} differ from those the checkpoint in "
+                            f"{args.out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
+                            f"--data-dir at the same data, or use another --out-dir for a new run")
 
 
-def check_resumable(ckpt, path: str, model_config: dict, device: torch.device, evaluate_only: bool) -> str | None:
+def describe_shape(shape: dict) -> str:
+    classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
+    return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
+
+
+def check_same_model(ckpt, path: str, model_config: dict) -> None:
+    """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
+    if ckpt is not None and ckpt["model_config"] != model_config:
+        raise UserError(f"{path} holds {describe_model(ckpt['model_config'])}, but this run builds "
+                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same model, or "
+                        f"use another --out-dir")
+
+
+def check_resumable(ckpt, path: str, device: torch.device, evaluate_only: bool) -> str | None:
     """Why this run cannot continue from `ckpt`, or None if it can (or if there is no checkpoint)."""
     if ckpt is None:
         return None
-    if ckpt["model_config"] != model_config:
-        return (f"{path} holds {describe_model(ckpt['model_config'])}, but this run builds "
-                f"{describe_model(model_config)}; pass the same --depth/--widen-factor, or another --out-dir")
     trained_on = ckpt["config"]["device_type"]
     if trained_on != device.type and not evaluate_only:  # optimizer state and RNGs belong to the device type
         return (f"{path} was trained on {trained_on}, and this run is on {device.type}: resume with "
@@ -1111,7 +1148,9 @@ def check_resumable(ckpt, path: str, model_config: dict, device: torch.device, e
 
 
 def describe_model(cfg: dict) -> str:
-    return f"WRN-{cfg['depth']}-{cfg['widen_factor']} with {cfg['num_classes']} classes"
+    """A model_config in words: its "name" (else its keys and values), and its classes."""
+    name = cfg.get("name") or ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "num_classes")
+    return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
 
 
 def restore_checkpoint(ckpt, path: str, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:

@@ -89,7 +89,7 @@ def test_augmentation_reaches_all_81_crops_and_2_flips_uniformly():
     # An image whose pixels are all distinct, so each output reveals its crop offset and flip.
     g = torch.Generator().manual_seed(0)
     img = torch.randint(1, 256, (1, 3, 32, 32), generator=g, dtype=torch.uint8)
-    ds = du.CIFARDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=7)
+    ds = du.ImageDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=7)
     padded = torch.nn.functional.pad(img[0], (4, 4, 4, 4))
     views = {}
     for dy in range(9):
@@ -105,7 +105,7 @@ def test_augmentation_reaches_all_81_crops_and_2_flips_uniformly():
     assert chi2 < 230  # chi-square, 161 degrees of freedom: p ~ 0.0003
     # Deterministic: the same key gives the same view, and other seeds give other views.
     assert torch.equal(ds[(5, 0)][0], ds[(5, 0)][0])
-    other = du.CIFARDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=8)
+    other = du.ImageDataset(du.ImageData(img, torch.zeros(1, dtype=torch.int64)), augment=True, seed=8)
     assert any(not torch.equal(ds[(e, 0)][0], other[(e, 0)][0]) for e in range(10))
 
 
@@ -137,7 +137,7 @@ def test_hash_is_the_same_on_ints_and_tensors():
     ints = [du.mix64(s, e, i) for s, e, i in keys]
     tensors = [du.mix64(s, e, torch.tensor([i]))[0].item() for s, e, i in keys]
     assert [h - (1 << 64) if h >> 63 else h for h in ints] == tensors
-    assert [du.crop_params(h) for h in ints] == [tuple(int(v) for v in du.crop_params(torch.tensor([t])))
+    assert [du.crop_params(h, (4, 4)) for h in ints] == [tuple(int(v) for v in du.crop_params(torch.tensor([t]), (4, 4)))
                                                   for t in tensors]
 
 
@@ -172,7 +172,7 @@ def test_batched_device_augmentation_reaches_all_162_views_uniformly():
             views[crop.flip(-1).numpy().tobytes()] = (dy, dx, 1)
     n = 162 * 100
     idx = torch.zeros(n, dtype=torch.int64)
-    out = du.crop_flip_batch(padded, idx, du.mix64(7, 3, torch.arange(n)))  # n different keys, one image
+    out = du.crop_flip_batch(padded, idx, du.mix64(7, 3, torch.arange(n)), (4, 4))  # n different keys, one image
     counts = collections.Counter(views[x.numpy().tobytes()] for x in out)
     assert len(counts) == 162
     assert sum((c - 100) ** 2 / 100 for c in counts.values()) < 230

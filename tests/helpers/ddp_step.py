@@ -23,7 +23,7 @@ data = du.load_split("synthetic", "", True, size=batch)
 loader, _ = du.build_loaders(data, data, batch, env.rank, env.world_size, 1, batch, seed=0,
                              workers=0, pin_memory=False)
 seed_everything(0)
-model = train_ddp.build_model(args)
+model = train_ddp.build_model(args, du.describe_data(data, data))
 for m in model.modules():
     if isinstance(m, torch.nn.BatchNorm2d):
         m.eval()  # train_step leaves the mode to its caller

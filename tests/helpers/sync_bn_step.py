@@ -34,7 +34,7 @@ data = du.load_split("synthetic", "", True, size=batch)
 loader, _ = du.build_loaders(data, data, batch, env.rank, env.world_size, 1, batch, seed=0, workers=0,
                              pin_memory=False, device=device)
 seed_everything(0)
-model = train_ddp.build_model(args)
+model = train_ddp.build_model(args, du.describe_data(data, data))
 if sync_bn:
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 model = model.to(device).train()
