@@ -249,8 +249,8 @@ def check_split(split, name: str) -> tuple:
             isinstance(label, int) or (isinstance(label, torch.Tensor) and label.dim() == 0)):
         got = f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} {getattr(image, 'dtype', '')}".strip()
         raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) as item 0: "
-                        f"it must yield (uint8 tensor C x H x W, integer label); for image files, read them with "
-                        f"torchvision.io.decode_image (ImageFolder(root, loader=...))")
+                        f"it must yield (uint8 tensor C x H x W, integer label); for image files, "
+                        f"ImageFolder(root, transform=torchvision.transforms.v2.PILToTensor())")
     return tuple(image.shape)
 
 

@@ -176,3 +176,87 @@ def test_batched_device_augmentation_reaches_all_162_views_uniformly():
     counts = collections.Counter(views[x.numpy().tobytes()] for x in out)
     assert len(counts) == 162
     assert sum((c - 100) ** 2 / 100 for c in counts.values()) < 230
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40), (2, 9, 13), (3, 5, 5)])
+def test_augmentation_scales_with_the_image_and_both_paths_cut_the_same_pixels(shape):
+    """Zero padding of an eighth of each side (at least 1), every crop offset and flip reached, and the
+    per-image crop (CPU workers) equal to the batched one (device loader) for every key."""
+    c, h, w = shape
+    pad = du.crop_padding(h, w)
+    assert pad == (max(1, h // 8), max(1, w // 8))
+    g = torch.Generator().manual_seed(2)
+    img = torch.randint(1, 256, (1, c, h, w), generator=g, dtype=torch.uint8)
+    padded = torch.nn.functional.pad(img[0], (pad[1], pad[1], pad[0], pad[0]))
+    views = {}
+    for dy in range(2 * pad[0] + 1):
+        for dx in range(2 * pad[1] + 1):
+            crop = padded[:, dy:dy + h, dx:dx + w]
+            views[crop.numpy().tobytes()] = (dy, dx, 0)
+            views[crop.flip(-1).numpy().tobytes()] = (dy, dx, 1)
+    n = len(views) * 30
+    data = du.ImageData(img.expand(n, c, h, w).clone(), torch.zeros(n, dtype=torch.int64))
+    dataset = du.ImageDataset(data, augment=True, seed=3)
+    one_by_one = torch.stack([dataset[(5, i)][0] for i in range(n)])
+    batched = du.crop_flip_batch(du.pad_images(data.images, pad), torch.arange(n), du.mix64(3, 5, torch.arange(n)), pad)
+    assert one_by_one.shape == batched.shape == (n, c, h, w) and torch.equal(one_by_one, batched)
+    counts = collections.Counter(views[x.numpy().tobytes()] for x in batched)
+    assert len(counts) == len(views) and min(counts.values()) >= 10  # all reached, none starved (mean 30)
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40)])
+def test_both_loaders_yield_identical_batches_for_any_image_shape(shape):
+    g = torch.Generator().manual_seed(0)
+    data = du.ImageData(torch.randint(0, 256, (150, *shape), dtype=torch.uint8, generator=g), torch.arange(150))
+    for rank in range(2):
+        torch_train, torch_test = du.build_loaders(data, data, 32, rank, 2, 1, 16, 5, 0, False)
+        dev_train, dev_test = du.build_loaders(data, data, 32, rank, 2, 1, 16, 5, 0, False, device=torch.device("cpu"))
+        torch_train.batch_sampler.set_epoch(1, start=64)
+        dev_train.batch_sampler.set_epoch(1, start=64)
+        a, b = list(torch_train), list(dev_train)
+        assert len(a) == len(b) == 3 and all(x.shape[1:] == shape for x, _ in a)
+        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
+
+
+def test_describe_data_takes_shape_classes_and_statistics_from_the_data():
+    images = torch.tensor([[[[0, 255]]], [[[51, 102]]]], dtype=torch.uint8)  # 2 images, 1 x 1 x 2
+    train = du.ImageData(images, torch.tensor([0, 3]))
+    test = du.ImageData(images[:1], torch.tensor([4]))
+    spec = du.describe_data(train, test)
+    pixels = torch.tensor([0, 255, 51, 102], dtype=torch.float64) / 255
+    assert (spec.channels, spec.height, spec.width, spec.num_classes) == (1, 1, 2, 5)  # the largest label of either + 1
+    assert spec.mean == pytest.approx((pixels.mean().item(),), abs=1e-12)
+    assert spec.std == pytest.approx((pixels.std(unbiased=False).item(),), abs=1e-12)
+    # What a split states is taken as stated.
+    stated = du.ImageData(images, torch.tensor([0, 3]), num_classes=10, mean=(0.5,), std=(0.25,))
+    assert du.describe_data(stated, test) == du.DataSpec(1, 1, 2, 10, (0.5,), (0.25,))
+    # A constant channel keeps its scale (std 1) rather than dividing by zero.
+    flat = du.ImageData(torch.full((2, 1, 2, 2), 7, dtype=torch.uint8), torch.tensor([0, 1]))
+    assert du.describe_data(flat, flat).std == (1.0,)
+
+
+class Files(list):
+    """A Dataset that lists its classes, as torchvision's ImageFolder does, but states no statistics."""
+    classes = ["a", "b"]
+
+
+@pytest.mark.parametrize("train,test,says", [
+    (du.ImageData(torch.zeros(2, 1, 4, 4), torch.tensor([0, 1])), None, "needs uint8 images (N, C, H, W)"),
+    (du.ImageData(torch.zeros(2, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])), None, "needs uint8 images"),
+    (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1], dtype=torch.int32)), None,
+     "int64 labels (N,)"),
+    (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])),
+     du.ImageData(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])), "training images of 1 x 4 x 4 but test"),
+    (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]), num_classes=2),
+     du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 2])), "test labels span [0, 2], outside [0, 2)"),
+    (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([-1, 1])), None, "training labels span [-1, 1]"),
+    ([(torch.zeros(1, 4, 4, dtype=torch.uint8), 0)], None, "states no number of classes: set its .num_classes"),
+    (Files([(torch.zeros(1, 4, 4, dtype=torch.uint8), 0)]), None, "states no per-channel mean and std"),
+    ([(torch.zeros(4, 4, 1).numpy(), 0)], None, "it must yield (uint8 tensor C x H x W, integer label)"),
+    (42, None, "return dataset_utils.ImageData, or a Dataset"),
+])
+def test_describe_data_refuses_what_the_loaders_cannot_take_in_one_line(train, test, says):
+    with pytest.raises(UserError) as e:
+        du.describe_data(train, test if test is not None else train)
+    assert says in str(e.value) and "\n" not in str(e.value)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import TINY, launch, read_json
+from conftest import ROOT, TINY, launch, read_json
 
 # 256 samples / 32 = 8 steps per epoch.
 SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32, "--epochs", 2, *TINY]
@@ -166,3 +166,15 @@ def test_plot_of_a_run_with_no_finished_epoch_says_so_and_outputs_go_where_git_i
         assert ignored.stdout.split() == ["runs/plots/loss.png", "runs/bench/bench-cpu-1x.json"]
     for script, default in (("plot.py", "runs/plots"), ("bench.py", "runs/bench/")):
         assert default in open(os.path.join(ROOT, script)).read()
+
+
+def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
+    """The README's first run on a laptop: its synthetic classes can be learned, so it ends far above
+    chance (1%), at 50% top-1 or more."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        command = next(line for line in f if line.startswith(".venv/bin/python train_ddp.py --dataset synthetic"))
+    args = command.split()[2:]
+    args[args.index("--out-dir") + 1] = str(tmp_path / "cpu-try")
+    proc = launch([*args, "--log-every", 0], torchrun=False)
+    accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] >= 0.5 and accuracies[0] < accuracies[-1], proc.stdout

@@ -1,7 +1,9 @@
 """Launched by torchrun: record which training samples each rank's real loader yields, epoch by epoch.
 
-Usage: record_batches.py DATA_DIR OUT_JSON PER_RANK_BATCH EPOCHS WORKERS
-The data must come from conftest.index_images, whose pixels encode each sample's index.
+Usage: record_batches.py DATA_DIR OUT_JSON PER_RANK_BATCH EPOCHS WORKERS [imagefolder]
+The data come from conftest.index_images, whose pixels encode each sample's index; or, with
+`imagefolder`, from an ImageFolder under DATA_DIR/train read as a Dataset (the route for data larger
+than memory), whose items carry their index as their label.
 """
 import json
 import os
@@ -12,9 +14,20 @@ import dataset_utils as du  # noqa: E402
 from train_utils import all_gather, init_distributed, read_dist_env  # noqa: E402
 
 data_dir, out, per_rank_batch, epochs, workers = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+image_folder = sys.argv[6:] == ["imagefolder"]
 env = read_dist_env()
 init_distributed(env, timeout_s=60)
-train = du.load_split("cifar100", data_dir, True)
+if image_folder:
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+
+    class IndexedFolder(ImageFolder):
+        def __getitem__(self, index):
+            return super().__getitem__(index)[0], index
+
+    train = IndexedFolder(os.path.join(data_dir, "train"), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
+else:
+    train = du.load_split("cifar100", data_dir, True)
 loader, _ = du.build_loaders(train, train, per_rank_batch * env.world_size, env.rank, env.world_size, 1,
                              per_rank_batch, seed=0, workers=workers, pin_memory=False)
 record = {}
@@ -23,8 +36,11 @@ for epoch in range(1, epochs + 1):
     seen, steps = [], 0
     for images, labels in loader:
         steps += 1
-        ids = images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()
-        assert (labels == ids % 100).all(), "labels travel with their images"
+        if image_folder:
+            ids = labels.long()
+        else:
+            ids = images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()
+            assert (labels == ids % 100).all(), "labels travel with their images"
         seen += ids.tolist()
     record[epoch] = all_gather({"ids": seen, "steps": steps})
 if env.is_main:

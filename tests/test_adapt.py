@@ -1,0 +1,297 @@
+"""Adapting the reference: another image-classification dataset is `load_data` alone, another model is
+`build_model` with `model_config` alone. Each test copies train_ddp.py, replaces exactly those
+functions (the Fashion-MNIST one with the README's own text), and runs the copy through torchrun."""
+import gzip
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import dataset_utils as du
+from conftest import ROOT, TINY, launch, load_model_state, read_json, read_jsonl
+
+FASHION = "/usr/share/datasets/fashion-mnist"
+FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz" for split in ("train", "t10k") for kind, d in (("images", 3), ("labels", 1))]
+
+
+def readme_worked_example() -> str:
+    """The python block the README's worked example shows, exactly as written there."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    after = text.split("<!-- worked example: the tests replace load_data with exactly this block -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def adapted_script(folder, **functions) -> str:
+    """train_ddp.py with the named top-level functions replaced by the given source, written to
+    folder/train_ddp.py; it imports the project's other modules through PYTHONPATH (ADAPTED_ENV)."""
+    src = open(os.path.join(ROOT, "train_ddp.py")).read()
+    for name, new in functions.items():
+        start = src.index(f"\ndef {name}(") + 1
+        end = re.compile(r"^\S", re.M).search(src, src.index("\n", start) + 1).start()  # the next top-level line
+        src = src[:start] + new.strip("\n") + "\n\n\n" + src[end:]
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "train_ddp.py")
+    with open(path, "w") as f:
+        f.write(src)
+    return path
+
+
+ADAPTED_ENV = {"PYTHONPATH": ROOT}
+
+
+def run_adapted(script, args, nproc=2, check=True, env=None):
+    return launch(args, nproc=nproc, script=script, env={**ADAPTED_ENV, **(env or {})}, check=check, timeout=900)
+
+
+def require_fashion_mnist():
+    missing = [f for f in FASHION_FILES if not os.path.isfile(os.path.join(FASHION, f))]
+    if missing:
+        hint = f"Fashion-MNIST is not in {FASHION}: apt-get update && apt-get install -y dataset-fashion-mnist"
+        if os.environ.get("CI") == "true":
+            pytest.fail(hint)
+        pytest.skip(hint)
+
+
+def read_idx(path) -> torch.Tensor:
+    """The test's own reader of an idx file, independent of the README's."""
+    with gzip.open(path) as f:
+        raw = f.read()
+    ndim = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    return torch.frombuffer(bytearray(raw[4 + 4 * ndim:]), dtype=torch.uint8).view(shape)
+
+
+# --------------------------------------------------------------------------- the README's worked example
+
+# What the README's command runs: WRN-10-1, the paper's LR per 128 samples, 3 epochs of all 60,000 images.
+FASHION_RUN = ["--data-dir", FASHION, *TINY, "--batch-size", 128, "--base-lr", 0.1, "--reference-batch-size", 128,
+               "--epochs", 3, "--log-every", 0]
+
+
+def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
+    require_fashion_mnist()
+    block = readme_worked_example()
+    assert block.startswith("def load_data(") and "ImageData" in block
+    script = adapted_script(tmp_path / "code", load_data=block)
+    out = tmp_path / "run"
+    first = run_adapted(script, [*FASHION_RUN, "--out-dir", out, "--stop-after-epoch", 1])
+    assert "Data: 60000 training and 10000 test images of 1 x 28 x 28, 10 classes" in first.stdout
+    assert "Stopping after epoch 1 as asked" in first.stdout
+    second = run_adapted(script, [*FASHION_RUN, "--out-dir", out])
+    assert "Resumed from" in second.stdout and "Training completed successfully." in second.stdout
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [1, 2, 3]
+    assert all(m["train_samples"] == 60_000 and m["val_count"] == 10_000 for m in metrics)
+    final = metrics[-1]
+    print(f"Fashion-MNIST, 2 ranks: top-1 {final['val_acc']:.4f} after {sum(m['epoch_time_s'] for m in metrics):.0f} s "
+          f"of training")
+    assert final["val_acc"] >= 0.85
+
+    # The data described themselves: 1 channel of 28 x 28, 10 classes, and the training set's statistics
+    # (Fashion-MNIST's known 0.2860 and 0.3530), in config.json and in the checkpoint.
+    images = read_idx(os.path.join(FASHION, "train-images-idx3-ubyte.gz")).double() / 255
+    spec = read_json(out / "config.json")["data_spec"]
+    assert (spec["channels"], spec["height"], spec["width"], spec["num_classes"]) == (1, 28, 28, 10)
+    assert spec["mean"][0] == pytest.approx(images.mean().item(), abs=1e-9) == pytest.approx(0.2860, abs=1e-4)
+    assert spec["std"][0] == pytest.approx(images.std(unbiased=False).item(), abs=1e-9)
+    ckpt = load_model_state(out)
+    assert json.loads(json.dumps(ckpt["config"]["data_spec"])) == spec  # tuples there, lists in JSON
+    assert ckpt["model_config"] == {"name": "WRN-10-1", "depth": 10, "widen_factor": 1, "in_channels": 1, "num_classes": 10}
+    assert ckpt["model"]["conv1.weight"].shape[1] == 1 and ckpt["model"]["fc.weight"].shape[0] == 10
+
+    ev = run_adapted(script, ["--evaluate", "--out-dir", out, "--timeout", 120])
+    assert "Evaluating" in ev.stdout and "(WRN-10-1 with 10 classes, 3 of 3 epochs trained) on 10000 test images" in ev.stdout
+    result = read_json(out / "eval.json")
+    assert result["val_count"] == 10_000 and result["val_acc"] == final["val_acc"]
+
+
+# --------------------------------------------------------------------------- other shapes and class counts
+
+SHAPED_LOAD_DATA = '''
+def load_data(args, env, train: bool = True):
+    """Generated {c} x {h} x {w} images of {k} classes: a level per channel and a stripe per class, plus noise."""
+    fixed = torch.Generator().manual_seed(7)  # the class patterns, shared by both splits
+    level = torch.rand({k}, {c}, 1, 1, generator=fixed) * 150 + 50
+    rows, cols = torch.meshgrid(torch.arange({h}.0), torch.arange({w}.0), indexing="ij")
+    freq = torch.randint(1, 4, ({k}, 1, 1), generator=fixed)
+    stripes = 40 * torch.sin(2 * torch.pi * freq * (rows / {h} + cols / {w}))
+
+    def split(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        labels = torch.randint(0, {k}, (n,), generator=g)
+        images = level[labels] + stripes[labels][:, None] + 20 * torch.randn(n, {c}, {h}, {w}, generator=g)
+        return dataset_utils.ImageData(images.round().clamp(0, 255).to(torch.uint8), labels)
+
+    return (split(480, 1) if train else None), split(150, 2)
+'''
+
+SHAPES = {"non-square RGB": (3, 24, 40, 7), "grey": (1, 20, 20, 5)}
+SHAPED_RUN = [*TINY, "--batch-size", 32, "--base-lr", 0.2, "--reference-batch-size", 32, "--warmup-epochs", 0,
+              "--epochs", 3, "--device", "cpu", "--log-every", 0]
+
+
+def shaped_block(c, h, w, k) -> str:
+    return SHAPED_LOAD_DATA.format(c=c, h=h, w=w, k=k)
+
+
+def generated_split(block, train: bool):
+    """What the block's load_data returns, run here, apart from the script."""
+    scope = {"torch": torch, "dataset_utils": du}
+    exec(block, scope)
+    return scope["load_data"](None, None, train)
+
+
+@pytest.mark.parametrize("loader", ["torch", "gpu"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_load_data_alone_adapts_to_another_shape_and_class_count(tmp_path, shape, loader):
+    c, h, w, k = SHAPES[shape]
+    block = shaped_block(c, h, w, k)
+    script = adapted_script(tmp_path / "code", load_data=block)
+    out = tmp_path / "run"
+    proc = run_adapted(script, [*SHAPED_RUN, "--out-dir", out, "--loader", loader])
+    assert f"Data: 480 training and 150 test images of {c} x {h} x {w}, {k} classes" in proc.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["train_samples"] == 480 and m["val_count"] == 150 for m in metrics)
+    assert metrics[-1]["val_acc"] >= 0.6, metrics  # chance is 1/k: it learned from images of this shape
+    train, _ = generated_split(block, True)
+    mean = (train.images.double().mean(dim=(0, 2, 3)) / 255).tolist()
+    spec = read_json(out / "config.json")["data_spec"]
+    assert (spec["channels"], spec["height"], spec["width"], spec["num_classes"]) == (c, h, w, k)
+    assert spec["mean"] == pytest.approx(mean, abs=1e-9)
+    ckpt = load_model_state(out)
+    assert ckpt["model"]["conv1.weight"].shape[1] == c and ckpt["model"]["fc.weight"].shape[0] == k
+
+
+def test_resume_on_data_of_another_shape_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    rgb = adapted_script(tmp_path / "rgb", load_data=shaped_block(*SHAPES["non-square RGB"]))
+    run_adapted(rgb, [*SHAPED_RUN, "--out-dir", out, "--epochs", 1], nproc=1)
+    before = (out / "checkpoint.pt").read_bytes()
+    grey = adapted_script(tmp_path / "grey", load_data=shaped_block(*SHAPES["grey"]))
+    proc = run_adapted(grey, [*SHAPED_RUN, "--out-dir", out, "--epochs", 2], check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr
+    assert (f"load_data gives 1 x 20 x 20 images of 5 classes, but the checkpoint in {out} was trained on "
+            f"3 x 24 x 40 images of 7 classes: use another --out-dir") in errors[0]
+    assert (out / "checkpoint.pt").read_bytes() == before
+
+
+# --------------------------------------------------------------------------- a Dataset of image files
+
+FOLDER_LOAD_DATA = '''
+def load_data(args, env, train: bool = True):
+    """An ImageFolder of PNG files under --data-dir/{train,test}, read by the DataLoader's workers."""
+    import os
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+
+    def folder(name):  # PIL reads the files as RGB: one grey channel back, as uint8 C x H x W
+        data = ImageFolder(os.path.join(args.data_dir, name), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
+        data.mean, data.std = (0.286,), (0.353,)  # stated: computing them would read every file
+        return data
+
+    return (folder("train") if train else None), folder("test")
+'''
+
+
+@pytest.fixture(scope="module")
+def png_folder(tmp_path_factory):
+    """600 training and 200 test images of real Fashion-MNIST, as PNG files in an ImageFolder."""
+    require_fashion_mnist()
+    from PIL import Image
+    root = tmp_path_factory.mktemp("pngs")
+    for split, prefix, n in (("train", "train", 600), ("test", "t10k", 200)):
+        images = read_idx(os.path.join(FASHION, f"{prefix}-images-idx3-ubyte.gz"))[:n]
+        labels = read_idx(os.path.join(FASHION, f"{prefix}-labels-idx1-ubyte.gz"))[:n]
+        for i, (image, label) in enumerate(zip(images, labels)):
+            os.makedirs(root / split / f"class_{label}", exist_ok=True)
+            Image.fromarray(image.numpy()).save(root / split / f"class_{label}" / f"{i:05d}.png")
+    return root
+
+
+def test_image_folder_loader_yields_every_sample_once_per_epoch(tmp_path, png_folder):
+    out = tmp_path / "record.json"
+    launch([png_folder, out, 32, 2, 1, "imagefolder"], nproc=2, script="tests/helpers/record_batches.py")
+    record = json.loads(out.read_text())
+    for epoch in ("1", "2"):
+        assert len({s["steps"] for s in record[epoch]}) == 1
+        assert sorted(i for s in record[epoch] for i in s["ids"]) == list(range(600))
+    assert record["1"][0]["ids"] != record["2"][0]["ids"]
+
+
+# 600 / 32: 19 steps per epoch, the last short; dropout and a loader worker, so RNG and loader state matter.
+FOLDER_RUN = [*TINY, "--batch-size", 32, "--epochs", 2, "--dropout", 0.1, "--workers", 1, "--loader", "torch",
+              "--device", "cpu", "--log-every", 0]
+
+
+def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exactly(tmp_path, png_folder):
+    script = adapted_script(tmp_path / "code", load_data=FOLDER_LOAD_DATA)
+    run = [*FOLDER_RUN, "--data-dir", png_folder]
+    reference = tmp_path / "reference"
+    proc = run_adapted(script, [*run, "--out-dir", reference])
+    assert "Data: 600 training and 200 test images of 1 x 28 x 28, 10 classes; per-channel mean (0.286,)" in proc.stdout
+    metrics = read_jsonl(reference / "metrics.jsonl")
+    assert all(m["train_samples"] == 600 and m["val_count"] == 200 for m in metrics)
+
+    # A stop request at the first check (step 10 of 19), then the same command: the weights of the
+    # uninterrupted run, bit for bit.
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    stop_file.touch()
+    stopped = run_adapted(script, [*run, "--out-dir", out], check=False, env={"DDP_STOP_FILE": str(stop_file)})
+    assert stopped.returncode != 0 and "Stop requested (stop file" in stopped.stdout
+    assert load_model_state(out)["progress"]["position"] == 320  # 10 steps of 32: mid-epoch
+    stop_file.unlink()
+    resumed = run_adapted(script, [*run, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
+    assert "and 320 samples (10 steps) of the next." in resumed.stdout
+    got, want = load_model_state(out), load_model_state(reference)
+    for key, value in want["model"].items():
+        assert torch.equal(got["model"][key], value), key
+    assert read_jsonl(out / "metrics.jsonl")[-1]["val_acc"] == metrics[-1]["val_acc"]
+
+    # Exact evaluation on any world size: 200 images, each once, the same score.
+    for nproc in (1, 3):
+        run_adapted(script, ["--evaluate", "--out-dir", reference, "--timeout", 120], nproc=nproc)
+        result = read_json(reference / "eval.json")
+        assert result["val_count"] == 200 and result["val_acc"] == metrics[-1]["val_acc"]
+
+    # A Dataset is read by the DataLoader's workers: --loader gpu, which holds the data on the device, refuses it.
+    refused = run_adapted(script, [*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=1, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode != 0 and len(errors) == 1 and "--loader gpu needs the data in memory" in errors[0]
+
+
+# --------------------------------------------------------------------------- another model
+
+SMALL_CNN = '''
+def build_model(args, data: dataset_utils.DataSpec) -> nn.Module:
+    """A small CNN: no depth, no width."""
+    return nn.Sequential(nn.Conv2d(data.channels, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, data.num_classes))
+'''
+SMALL_CNN_CONFIG = '''
+def model_config(args, data: dataset_utils.DataSpec) -> dict:
+    return {"name": "SmallCNN", "in_channels": data.channels, "num_classes": data.num_classes}
+'''
+
+
+def test_build_model_and_model_config_alone_adapt_to_another_model(tmp_path, learnable_dir):
+    script = adapted_script(tmp_path / "code", build_model=SMALL_CNN, model_config=SMALL_CNN_CONFIG)
+    out = tmp_path / "run"
+    run = ["--data-dir", learnable_dir, "--out-dir", out, "--workers", 0, "--timeout", 120, "--batch-size", 64,
+           "--base-lr", 0.2, "--reference-batch-size", 64, "--train-size", 1500, "--epochs", 3, "--log-every", 0]
+    run_adapted(script, [*run, "--stop-after-epoch", 1])
+    resumed = run_adapted(script, run)
+    assert "Resumed from" in resumed.stdout and "Training completed successfully." in resumed.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [1, 2, 3] and metrics[-1]["val_acc"] > 0.1  # chance: 0.01
+    ckpt = load_model_state(out)
+    assert ckpt["model_config"] == {"name": "SmallCNN", "in_channels": 3, "num_classes": 100}
+    assert "conv1.weight" not in ckpt["model"] and ckpt["model"]["9.weight"].shape == (100, 32)
+    ev = run_adapted(script, ["--evaluate", "--out-dir", out, "--data-dir", learnable_dir])
+    assert f"Evaluating {out}/checkpoint.pt (SmallCNN with 100 classes, 3 of 3 epochs trained)" in ev.stdout
+    assert read_json(out / "eval.json")["val_acc"] == metrics[-1]["val_acc"]
