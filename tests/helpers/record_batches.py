@@ -10,6 +10,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch  # noqa: E402
+
 import dataset_utils as du  # noqa: E402
 from train_utils import all_gather, init_distributed, read_dist_env  # noqa: E402
 
@@ -46,3 +48,5 @@ for epoch in range(1, epochs + 1):
 if env.is_main:
     with open(out, "w") as f:
         json.dump(record, f)
+if env.world_size > 1:
+    torch.distributed.destroy_process_group()  # else gloo's threads may abort the process at exit
