@@ -229,15 +229,17 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
         model, eval_model = torch.compile(model, dynamic=False), torch.compile(bare_model, dynamic=False)
 
     def save_state():
-        """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes."""
+        """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes, unless another
+        run took the out-dir, and all ranks leave together if that write fails."""
         state = utils.training_state(bare_model, optimizer, scaler, progress, config, model_config(args, data),
                                      fingerprints, device)
-        if env.is_main:
-            lock.check()  # never write over another run's checkpoint
-            utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints)
+        utils.write_on_main(env, lambda: utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints),
+                            f"the checkpoint {utils.describe_progress(progress)}", args.out_dir, lock)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
-    records = utils.Records(args, env, config, ranks, progress.epoch)  # metrics.jsonl, run.json, TensorBoard
+    # A full disk is refused now, not after an epoch's work; then the run's files: metrics.jsonl, run.json, ...
+    utils.call_and_agree(utils.check_room_for_checkpoint, args.out_dir, bare_model, optimizer, here=env.is_main)
+    records = utils.Records(args, env, config, ranks, progress.history, lock)
     run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data),
                            stop=utils.StopRequest(), progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
     for epoch in progress.epochs_left(args.epochs):

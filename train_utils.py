@@ -3,11 +3,13 @@ the recipe; what is here is the machinery it calls by name."""
 import argparse
 import copy
 import datetime
+import errno
 import faulthandler
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -24,6 +26,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 class UserError(Exception):
     """A problem the user can fix: printed as one line, without a traceback, and the run exits 2."""
+    exit_status = 2
+
+
+class WriteError(UserError):
+    """A write of the run's files failed (no space, quota, read-only, permission, I/O error): one line
+    that says what failed, why, what is intact and the way out; the run exits 74 (EX_IOERR)."""
+    exit_status = 74
 
 
 class RendezvousError(UserError):
@@ -213,12 +222,13 @@ def all_gather(obj):
     return out
 
 
-def agree_on_error(error: str | None) -> None:
-    """Raise UserError on every rank if any rank hit one, so no rank is left waiting in a collective."""
-    errors = [(r, e) for r, e in enumerate(all_gather(error)) if e]
+def agree_on_error(error: UserError | None) -> None:
+    """One collective: if any rank hit a UserError, the first one is raised on every rank (with its
+    class, so its exit status), and no rank is left waiting for another in a later collective."""
+    errors = [(r, e) for r, e in enumerate(all_gather(error)) if e is not None]
     if errors:
-        rank, msg = errors[0]
-        raise UserError(f"{msg} (on rank {rank})" if dist.is_initialized() and rank != 0 else msg)
+        rank, e = errors[0]
+        raise type(e)(f"{e} (on rank {rank})" if dist.is_initialized() and rank != 0 else str(e))
 
 
 def call_and_agree(fn, *args, here: bool = True):
@@ -230,25 +240,57 @@ def call_and_agree(fn, *args, here: bool = True):
         try:
             result = fn(*args)
         except UserError as e:
-            error = str(e)
+            error = e
         except OSError as e:
-            error = f"{getattr(fn, '__name__', 'a call')} failed: {e}"
+            error = UserError(f"{getattr(fn, '__name__', 'a call')} failed: {e}")
     agree_on_error(error)
     return result
 
 
+def write_on_main(env: "DistEnv", write, what: str, out_dir: str, lock=None) -> None:
+    """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
+    whether it failed, and all raise the same error and leave together: without this, the others would
+    wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
+    this run still owns out_dir."""
+    error = None
+    if env.is_main:
+        try:
+            if lock is not None:
+                lock.check()
+            write()
+        except UserError as e:
+            error = e
+        except (OSError, RuntimeError) as e:
+            cause = os_error_of(e)
+            if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+                raise
+            error = WriteError(describe_write_failure(cause, what, out_dir))
+    agree_on_error(error)
+
+
+def os_error_of(e: BaseException) -> OSError | None:
+    """The OSError behind `e`: itself, or one in its chain (torch.save reports a failed write of its zip
+    as RuntimeError "unexpected pos ..." raised while handling the OSError)."""
+    while e is not None:
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def leave_on_user_error(e: UserError) -> int:
     """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
-    soon as one exits and rank 0 must have said why first. Returns the exit status, 2."""
+    soon as one exits and rank 0 must have said why first. Returns the exit status: 2, or 74 for a
+    failed write."""
     if isinstance(e, RendezvousError):  # no process group: every rank says why, as rank 0 may still be waiting
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return e.exit_status
     log(f"error: {e}", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
     elif not _is_main():
         time.sleep(5)
-    return 2
+    return e.exit_status
 
 
 def _is_timeout(e: Exception) -> bool:
@@ -655,33 +697,39 @@ def epoch_metrics(epoch: int, progress, val: dict, lr: float) -> dict:
 
 
 class Records:
-    """The run's files, written by rank 0: config.json, metrics.jsonl (a row per epoch; rows past the
-    checkpoint are dropped, as those epochs train again), run.json, TensorBoard; at the end
-    summary.json, and the seed's summary lines."""
+    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends
+    every rank with one line): config.json, metrics.jsonl (a row per epoch, rewritten whole from the
+    checkpoint's history at each start and epoch, so it never holds a partial line or an epoch that
+    trains again), run.json, TensorBoard; at the end summary.json, and the seed's summary lines."""
 
-    def __init__(self, args, env: DistEnv, config: dict, ranks: list, epochs_done: int):
-        self.args, self.env, self.config, self.ranks = args, env, config, ranks
+    def __init__(self, args, env: DistEnv, config: dict, ranks: list, history: list, lock):
+        self.args, self.env, self.config, self.ranks, self.lock = args, env, config, ranks, lock
         self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-        self.record, self.tensorboard = None, None
-        if env.is_main:
+        self.rows = [json.dumps(m) + "\n" for m in history]
+        self.record, self.tensorboard = run_record(config, ranks) if env.is_main else None, None
+
+        def write_start():
             write_json(os.path.join(args.out_dir, "config.json"), config)
-            lines = open(self.metrics_path).readlines() if os.path.exists(self.metrics_path) else []
-            write_text(self.metrics_path, "".join(ln for ln in lines if json.loads(ln)["epoch"] <= epochs_done))
-            self.record = run_record(config, ranks)
+            write_text(self.metrics_path, "".join(self.rows))
             write_json(os.path.join(args.out_dir, "run.json"), self.record)
             if args.tensorboard:
                 from torch.utils.tensorboard import SummaryWriter  # optional; check_args made sure it imports
                 self.tensorboard = SummaryWriter(os.path.join(args.out_dir, "tensorboard"))
+        self._write(write_start, "the run's records (config.json, metrics.jsonl, run.json)")
+
+    def _write(self, write, what: str) -> None:
+        write_on_main(self.env, write, what, self.args.out_dir, self.lock)
 
     def add_epoch(self, metrics: dict) -> None:
-        if not self.env.is_main:
-            return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.tensorboard:
-            for key, value in metrics.items():
-                self.tensorboard.add_scalar(key, value, metrics["epoch"])
-            self.tensorboard.flush()  # a preempted run keeps its curves too
+        self.rows.append(json.dumps(metrics) + "\n")
+
+        def write_epoch():
+            write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
+            if self.tensorboard:
+                for key, value in metrics.items():
+                    self.tensorboard.add_scalar(key, value, metrics["epoch"])
+                self.tensorboard.flush()  # a preempted run keeps its curves too
+        self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
 
     def finish(self, progress, n_train: int, n_test: int) -> None:
         env, history, total_s = self.env, progress.history, progress.total_time_s
@@ -695,11 +743,13 @@ class Records:
             "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
             "config": self.config,
         }
-        if env.is_main:
+
+        def write_end():
             write_json(os.path.join(self.args.out_dir, "summary.json"), summary)
             write_json(os.path.join(self.args.out_dir, "run.json"), {**self.record, "end_time": now_iso()})
             if self.tensorboard:
                 self.tensorboard.close()
+        self._write(write_end, "the run's summary (summary.json, run.json)")
         log("\nTraining Summary:")
         log(f"Total training time: {total_s:.3f} seconds")
         log(f"Throughput: {summary['images_per_s']:.3f} images/second")
@@ -714,9 +764,8 @@ def record_evaluation(out_dir: str, metrics: dict, epoch: int, env: DistEnv, pat
     """--evaluate's two lines, and eval.json."""
     log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
     log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
-    if env.is_main:
-        write_json(os.path.join(out_dir, "eval.json"), {**metrics, "epoch": epoch, "world_size": env.world_size,
-                                                        "checkpoint": path})
+    record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
+    write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), "eval.json", out_dir)
 
 
 def run_record(config: dict, ranks: list) -> dict:
@@ -793,6 +842,58 @@ def _fsync_dir(d: str) -> None:
         pass
 
 
+# The way out of a failed write, by the OS's reason ({d}: the out-dir).
+WAY_OUT = {
+    errno.ENOSPC: "free space in {d} (or use another --out-dir)",
+    errno.EDQUOT: "free space under your quota (or use another --out-dir)",
+    errno.EROFS: "{d} is on a read-only filesystem: use another --out-dir",
+    errno.EACCES: "make {d} writable for you, or use another --out-dir",
+    errno.EPERM: "make {d} writable for you, or use another --out-dir",
+    errno.ENOENT: "{d}, or a file in it, was removed while the run wrote there: put it back",
+    errno.EIO: "the filesystem failed: check it, or use another --out-dir",
+}
+
+
+def describe_write_failure(e: OSError, what: str, out_dir: str) -> str:
+    """One line for a failed write: what failed, where, the OS's reason, what is intact, the way out."""
+    reason = (e.strerror or str(e)).lower()
+    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
+    way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
+    return (f"{reason} writing {what} in {e.filename if named else out_dir}; {describe_intact(out_dir)}: "
+            f"{way_out}, then run the same command to resume")
+
+
+def describe_intact(out_dir: str) -> str:
+    """What a failed write leaves safe: the newest checkpoint that loads, read back from the disk."""
+    for path in checkpoint_paths(out_dir, 10):
+        try:  # mmap: only the small progress record is read, whatever the model's size
+            p = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]
+        except Exception:  # missing, or the one a crash cut short: the next one back
+            continue
+        return f"the last good checkpoint, {path} ({describe_progress(Progress(**p))}), is intact"
+    return "no checkpoint was written yet"
+
+
+def describe_progress(progress) -> str:
+    """Where a checkpoint stands: "after epoch 2", or "at step 10 of epoch 3"."""
+    if progress.position:
+        return f"at step {progress.step} of epoch {progress.epoch + 1}"
+    return f"after epoch {progress.epoch}"
+
+
+def check_room_for_checkpoint(out_dir: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to start when out_dir has no room for one more checkpoint (the model and the optimizer's
+    state, which SGD's momentum makes as large as the model): a run that cannot save would train until
+    its first checkpoint for nothing, and a restart after a full disk would do so again and again."""
+    tensors = list(model.state_dict().values()) + [p for p in model.parameters() if p.requires_grad]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
+                                                f"a checkpoint of about {need / 2**20:.1f} MiB "
+                                                f"({free / 2**20:.1f} MiB free)", out_dir))
+
+
 def check_writable(out_dir: str) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -810,7 +911,10 @@ def lock_out_dir(out_dir: str, env: DistEnv):
     UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
     def check_and_acquire():
         check_writable(out_dir)
-        return OutDirLock(out_dir).acquire()
+        try:
+            return OutDirLock(out_dir).acquire()
+        except OSError as e:  # it was writable a moment ago: a full disk or quota, most likely
+            raise WriteError(describe_write_failure(e, "the lock", out_dir)) from None
 
     lock = call_and_agree(check_and_acquire, here=env.is_main)  # one agreement for both steps
     if lock and lock.note:
@@ -873,7 +977,10 @@ class OutDirLock:
         self._done.set()
         holder, _ = self._read()
         if holder and holder.get("token") == self.me["token"]:
-            os.unlink(self.path)
+            try:
+                os.unlink(self.path)
+            except OSError:  # a filesystem turned read-only: the next run takes the lock over (its owner is gone)
+                pass
 
     def _beat(self) -> None:
         while not self._done.wait(self.HEARTBEAT_S):
@@ -1060,7 +1167,7 @@ def find_checkpoint(args, explicit: set, env: DistEnv):
     if args.evaluate and ckpt is None:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
     notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
-    agree_on_error(check_resumable(ckpt, path, env.device, args.evaluate))
+    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
     return ckpt, path, notes
 
 
@@ -1136,15 +1243,12 @@ def check_same_model(ckpt, path: str, model_config: dict) -> None:
                         f"use another --out-dir")
 
 
-def check_resumable(ckpt, path: str, device: torch.device, evaluate_only: bool) -> str | None:
-    """Why this run cannot continue from `ckpt`, or None if it can (or if there is no checkpoint)."""
-    if ckpt is None:
-        return None
-    trained_on = ckpt["config"]["device_type"]
+def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool) -> None:
+    """Raise UserError if this run would continue `ckpt` on another device type."""
+    trained_on = ckpt["config"]["device_type"] if ckpt is not None else device.type
     if trained_on != device.type and not evaluate_only:  # optimizer state and RNGs belong to the device type
-        return (f"{path} was trained on {trained_on}, and this run is on {device.type}: resume with "
-                f"--device {trained_on}, or train afresh in another --out-dir")
-    return None
+        raise UserError(f"{path} was trained on {trained_on}, and this run is on {device.type}: resume with "
+                        f"--device {trained_on}, or train afresh in another --out-dir")
 
 
 def describe_model(cfg: dict) -> str:

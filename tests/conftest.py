@@ -3,6 +3,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,9 +144,10 @@ def kill_all(proc):
     proc.wait()
 
 
-def start(args, nproc=2, extra=(), env=None, torchrun=True):
-    """torchrun (or plain python) in the background, its output in a file; returns (process, log path)."""
-    log = os.path.join(str(args[args.index("--out-dir") + 1]) + ".log")
+def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
+    """torchrun (or plain python) in the background, its output in a file (by default the out-dir's
+    path + .log); returns (process, log path)."""
+    log = str(log or os.path.join(str(args[args.index("--out-dir") + 1]) + ".log"))
     launcher = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra] if torchrun else [sys.executable]
     cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
     f = open(log, "w")
@@ -167,3 +169,24 @@ def wait_for(predicate, timeout=120, what="condition"):
 def text(path):
     with open(path) as f:
         return f.read()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 16 MiB tmpfs of the test's own: a filesystem that fills for real, with ENOSPC."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'mount failed'}): the full-disk tests need root")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def fill(mount_point, leave: int):
+    """Fill the filesystem but for `leave` bytes (rounded down to whole pages); returns the filler file."""
+    filler = mount_point / "filler"
+    with open(filler, "ab") as f:
+        f.write(b"\0" * max(0, shutil.disk_usage(mount_point).free - leave))
+    return filler

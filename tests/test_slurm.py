@@ -12,11 +12,12 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY, job_recipe, launch, load_model_state, read_json
+from conftest import ROOT, TINY, fill, job_recipe, launch, load_model_state, read_json, read_jsonl
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -126,6 +127,43 @@ def test_srun_direct_without_torchrun(slurm, tmp_path):
     assert summary["world_size"] == 2 and summary["gpus_per_node"] == 2 and summary["finished"] is True
     # Without torchrun, RANK comes from SLURM_PROCID after start-up: still one log line, not one per task.
     assert read(log).count("Training started with 2 processes across 1 nodes.") == 1
+
+
+@pytest.fixture
+def node1_fs(slurm, tmp_path):
+    """A 16 MiB tmpfs mounted on node1, in its slurmd's mount namespace (each node has its own, as each
+    host does); returns its path as the jobs see it, and the same directory as seen from here."""
+    pid = subprocess.run(["pgrep", "-f", "slurmd -N node1"], capture_output=True, text=True).stdout.split()[0]
+    path = tmp_path / "fs"
+    path.mkdir()
+    proc = subprocess.run(["nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs on node1: {proc.stderr.strip()}")
+    yield path, Path(f"/proc/{pid}/root{path}")
+    subprocess.run(["nsenter", "-t", pid, "-m", "umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
+    """No torchrun to end the other tasks: the ranks agree on rank 0's failed write and leave together."""
+    fs, seen = node1_fs
+    out = fs / "run"
+    train = [*TRAIN[:2], "--train-size", 1600, *TRAIN[4:8], "--epochs", 3, *TINY, "--log-every", 0]
+    job, log = sbatch("srun_direct.sh", tmp_path, ["--ntasks-per-node=2", "--gpus-per-task=1"], [*train, "--out-dir", out])
+    deadline = time.time() + 300
+    while not (seen / "run" / "metrics.jsonl").exists() or len(read_jsonl(seen / "run" / "metrics.jsonl")) < 1:
+        assert time.time() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING"), read(log)
+        time.sleep(0.1)
+    fill(seen, 64 * 1024)  # during epoch 2: its checkpoint cannot be written
+    filled = time.time()
+    assert wait_job(job, log, timeout=300) == "FAILED", read(log)
+    errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, read(log)
+    assert errors[0].startswith(f"error: no space left on device writing the checkpoint after epoch 2 in {out}; "
+                                f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact")
+    assert "timed out" not in read(log)
+    assert time.time() - filled < 60  # the epoch, then seconds: far under --timeout
+    assert load_model_state(seen / "run")["progress"]["epoch"] == 1
 
 
 def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slurm, tmp_path):

@@ -1,0 +1,210 @@
+"""A write that fails mid-run (a full disk, on a real filesystem that really fills: a small tmpfs this
+test mounts) ends every rank within seconds with one line that says what failed, why, and what is
+intact; the last checkpoint stays loadable, nothing is left half-written, and after freeing space the
+same command resumes and ends with the metrics of an uninterrupted run. And a run that lost its
+out-dir to another run stops every rank in one line, writing nothing more."""
+import errno
+import json
+import os
+import re
+import subprocess
+import time
+
+import pytest
+
+from conftest import TINY, fill, launch, load_model_state, read_jsonl, start, text, wait_for
+from train_utils import describe_write_failure
+
+# 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
+RUN = ["--dataset", "synthetic", "--train-size", 1600, "--test-size", 64, "--batch-size", 32, "--epochs", 3,
+       *TINY, "--device", "cpu", "--log-every", 0, "--keep-checkpoints", 3]
+TIMING = ("epoch_time_s", "images_per_s")  # the only metrics a resume may change
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted runs (2 ranks under torchrun, 1 under python) whose metrics every interrupted
+    and resumed one must end with; and how much epoch 2's checkpoint outgrows epoch 1's."""
+    runs = {}
+    for launcher, nproc in (("torchrun", 2), ("python", 1)):
+        out = tmp_path_factory.mktemp("reference") / "run"
+        launch([*RUN, "--out-dir", out], nproc=nproc, torchrun=launcher == "torchrun")
+        runs[launcher] = read_jsonl(out / "metrics.jsonl")
+        growth = os.path.getsize(out / "checkpoint.1.pt") - os.path.getsize(out / "checkpoint.2.pt")  # epochs 2, 1
+    return runs, growth
+
+
+def without_timing(rows):
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+
+
+def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
+    """Start the run, fill the disk once `when(out)` holds, and wait for the run to end; returns
+    (exit status, output, seconds from the error line to the exit)."""
+    out = args[args.index("--out-dir") + 1]
+    proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")  # off the small disk
+    wait_for(lambda: when(out) or proc.poll() is not None, timeout=180, what="the moment to fill the disk")
+    assert proc.poll() is None, text(log)
+    filler = fill(mount_point, leave)
+    error_seen = None
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline:
+        if error_seen is None and "error: " in text(log):
+            error_seen = time.time()
+        time.sleep(0.05)
+    assert proc.poll() is not None, f"still running 120 s after the disk filled:\n{text(log)}"
+    error_seen = error_seen or time.time()
+    return proc.returncode, text(log), time.time() - error_seen, filler
+
+
+def assert_one_line(output, *parts):
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output  # from rank 0 alone
+    for part in parts:
+        assert part in errors[0], errors[0]
+    assert 'train_ddp.py", line' not in output and 'train_utils.py", line' not in output  # no traceback of ours
+    assert "timed out" not in output and "lost another rank" not in output  # the cause, not a hang after it
+    return errors[0]
+
+
+def assert_nothing_half_written(out):
+    left = [name for name in os.listdir(out) if name.endswith(".tmp") or name.startswith(".") or name == "run.lock"]
+    assert not left, left  # no temporary files, and the lock released
+    for line in open(out / "metrics.jsonl"):
+        json.loads(line)  # every row whole: the next run reads them all
+
+
+def metrics_rows(out):
+    return len(read_jsonl(out / "metrics.jsonl")) if (out / "metrics.jsonl").exists() else 0
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "python"])
+def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_resumes(small_fs, reference, launcher):
+    out = small_fs / "run"
+    args = [*RUN, "--out-dir", out]
+    nproc = 2 if launcher == "torchrun" else 1
+    # Filled while epoch 2 trains (epoch 1 recorded): its checkpoint, about 700 KB, cannot be written.
+    status, output, exit_s, filler = run_until_write_fails(args, nproc, launcher == "torchrun",
+                                                           lambda o: metrics_rows(o) == 1, 64 * 1024, small_fs)
+    assert status == (1 if launcher == "torchrun" else 74) and exit_s < 10, (status, exit_s)  # torchrun: its own 1
+    assert_one_line(output, f"error: no space left on device writing the checkpoint after epoch 2 in {out}; ",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: free space in {out}",
+                    "then run the same command to resume")
+    assert load_model_state(out)["progress"]["epoch"] == 1
+    assert_nothing_half_written(out)
+
+    filler.unlink()
+    resumed = launch(args, nproc=nproc, torchrun=launcher == "torchrun")
+    assert "Resumed from" in resumed.stdout and "Training completed successfully." in resumed.stdout
+    assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(reference[0][launcher])
+
+
+def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
+    out, reference = small_fs / "run", small_fs.parent / "reference"
+    # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first.
+    run = [*RUN, "--train-size", 3200, "--batch-size", 64, "--widen-factor", 2, "--checkpoint-every", 10, "--epochs", 1]
+    launch([*run, "--out-dir", reference], torchrun=False)
+    args = [*run, "--out-dir", out]
+    status, output, exit_s, filler = run_until_write_fails(args, 1, False, lambda o: (o / "checkpoint.pt").exists(),
+                                                           64 * 1024, small_fs)
+    assert status == 74 and exit_s < 10, (status, exit_s)
+    line = assert_one_line(output, "error: no space left on device writing the checkpoint at step 20 of epoch 1 in ",
+                           f"the last good checkpoint, {out}/checkpoint.pt (at step 10 of epoch 1), is intact")
+    progress = load_model_state(out)["progress"]
+    assert (progress["epoch"], progress["step"]) == (0, 10), line
+    assert_nothing_half_written(out)
+    filler.unlink()
+    resumed = launch(args, torchrun=False)
+    assert "and 640 samples (10 steps) of the next." in resumed.stdout
+    assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(read_jsonl(reference / "metrics.jsonl"))
+
+
+def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(small_fs, reference):
+    out = small_fs / "run"
+    args = [*RUN, "--out-dir", out]
+    proc, log = start(args, nproc=2, log=small_fs.parent / "run.log")
+    wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 2")
+    # Leave exactly the pages epoch 2's checkpoint will take (epoch 1's, and the one more row of history
+    # it holds), and not one for the metrics row written after it; --keep-checkpoints 3: no rotation frees any.
+    pages = -(-(os.path.getsize(out / "checkpoint.pt") + reference[1]) // 4096)
+    filler = fill(small_fs, pages * 4096)
+    assert proc.wait(timeout=120) != 0
+    output = text(log)
+    assert_one_line(output, f"error: no space left on device writing epoch 2's metrics in {out}; ",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 2), is intact")
+    assert load_model_state(out)["progress"]["epoch"] == 2
+    assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1]  # the old file, whole
+    assert_nothing_half_written(out)
+    filler.unlink()
+    launch(args, nproc=2)  # the metrics of epoch 2 come back from the checkpoint's history
+    assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(reference[0]["torchrun"])
+
+
+def test_full_disk_under_elastic_restarts_says_the_same_line_quickly_on_every_attempt(small_fs):
+    out = small_fs / "run"
+    proc, log = start([*RUN, "--out-dir", out], nproc=2, extra=["--max-restarts=2"], log=small_fs.parent / "run.log")
+    wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 1's end")
+    fill(small_fs, 64 * 1024)
+    filled = time.time()
+    assert proc.wait(timeout=120) != 0
+    took = time.time() - filled
+    errors = [line for line in text(log).splitlines() if line.startswith("error: ")]
+    # The first attempt fails writing epoch 2's checkpoint; each restart resumes epoch 1's, finds no room
+    # for the next at its start, and says so at once, before any work: 3 attempts, 3 lines.
+    assert len(errors) == 3, text(log)
+    assert all(e.startswith("error: no space left on device writing ") for e in errors), errors
+    assert all("then run the same command to resume" in e for e in errors[1:])
+    assert "a checkpoint of about" in errors[1] and errors[1] == errors[2]
+    assert took < 60, took  # an epoch's work is not repeated on each attempt
+    assert load_model_state(out)["progress"]["epoch"] == 1
+
+
+def test_evaluate_on_a_full_disk_says_eval_json_could_not_be_written(small_fs):
+    out = small_fs / "run"
+    launch([*RUN, "--out-dir", out, "--epochs", 1, "--train-size", 64], torchrun=False)
+    fill(small_fs, 0)
+    proc = launch(["--evaluate", "--out-dir", out], torchrun=False, check=False)
+    assert proc.returncode == 74
+    assert_one_line(proc.stdout + proc.stderr, "error: no space left on device writing eval.json in ",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact")
+
+
+def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    common = [*RUN, "--checkpoint-every", 5, "--timeout", 90]
+    first, first_log = start([*common, "--out-dir", out], nproc=2)
+    wait_for(lambda: (out / "checkpoint.pt").exists(), what="the first checkpoint")
+    os.unlink(out / "run.lock")  # as the busy-out-dir message invites, when a run "is surely gone"
+    deleted = time.time()
+    (tmp_path / "same").symlink_to(out)  # the same out-dir, by another name: the second run's log apart
+    second, second_log = start([*common, "--epochs", 1, "--out-dir", tmp_path / "same"], nproc=2)  # it takes the lock
+    assert first.wait(timeout=60) != 0
+    took = time.time() - deleted
+    assert_one_line(text(first_log), f"another run took over --out-dir {out}", "so this one stops without writing there")
+    assert took < 30, took  # at its next checkpoint (5 steps), not after --timeout (90 s)
+    assert second.wait(timeout=300) == 0, text(second_log)
+    assert "error: " not in text(second_log) and re.search(r"Resumed from .*checkpoint\.pt", text(second_log))
+
+
+def test_a_filesystem_turned_read_only_mid_run_is_named_and_the_checkpoint_kept(small_fs):
+    out = small_fs / "run"
+    proc, log = start([*RUN, "--out-dir", out], nproc=2, log=small_fs.parent / "run.log")
+    wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 1's end")
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)  # as a failing Lustre OST does
+    assert proc.wait(timeout=120) != 0
+    assert_one_line(text(log), f"error: read-only file system writing the checkpoint after epoch 2 in {out}; ",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: {out} is on a "
+                    f"read-only filesystem: use another --out-dir")
+    assert load_model_state(out)["progress"]["epoch"] == 1
+
+
+@pytest.mark.parametrize("code,reason,way_out", [
+    (errno.EDQUOT, "disk quota exceeded", "free space under your quota (or use another --out-dir)"),
+    (errno.EACCES, "permission denied", "make {d} writable for you"),
+    (errno.ENOENT, "no such file or directory", "{d}, or a file in it, was removed while the run wrote there"),
+    (errno.EIO, "input/output error", "the filesystem failed"),
+])
+def test_each_reason_of_a_failed_write_has_its_way_out(tmp_path, code, reason, way_out):
+    line = describe_write_failure(OSError(code, os.strerror(code)), "the checkpoint after epoch 3", str(tmp_path))
+    assert line.startswith(f"{reason} writing the checkpoint after epoch 3 in {tmp_path}; no checkpoint was written yet: ")
+    assert way_out.format(d=tmp_path) in line and line.endswith(", then run the same command to resume")
