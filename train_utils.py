@@ -1146,6 +1146,9 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
             ckpt = load_checkpoint(path, device)
             if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
                 raise UserError(f"{path} is not a checkpoint of this script")
+            if "data_spec" not in ckpt["config"]:  # before the data described themselves
+                raise UserError(f"{path} was written by an older train_ddp.py, which did not record the data's "
+                                f"shape and statistics; evaluate it with that version, or train afresh")
         except UserError as e:
             problems.append(str(e))
             continue

@@ -115,6 +115,19 @@ def test_checkpoint_from_another_device_type_is_refused(tmp_path, finished_run):
     assert "Validation Accuracy" in evaluated.stdout
 
 
+def test_checkpoint_of_an_older_version_is_refused_in_one_line(tmp_path, finished_run):
+    out = tmp_path / "run"
+    out.mkdir()
+    ckpt = torch.load(finished_run / "checkpoint.pt", weights_only=True)
+    del ckpt["config"]["data_spec"]  # as written before the data described themselves
+    torch.save(ckpt, out / "checkpoint.pt")
+    before = snapshot(out)
+    for extra in ([], ["--evaluate"]):
+        proc = launch([*SMALL, "--epochs", 2, "--out-dir", out, *extra], torchrun=False, check=False)
+        assert_refused(proc, f"{out / 'checkpoint.pt'} was written by an older train_ddp.py")
+    assert snapshot(out) == before
+
+
 @pytest.mark.parametrize("first, then", [("off", "fp16"), ("fp16", "off")])
 def test_resume_with_another_precision(tmp_path, first, then):
     """An fp16 run's grad-scaler state is absent from other runs' checkpoints, and unused by them."""
