@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, TINY, launch, read_json
+from conftest import ROOT, TINY, launch, read_json, read_jsonl
 
 # 256 samples / 32 = 8 steps per epoch.
 SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32, "--epochs", 2, *TINY]
@@ -108,8 +108,14 @@ def test_tensorboard(tmp_path):
     if importlib.util.find_spec("tensorboard") is None:
         assert proc.returncode == 2 and "error: --tensorboard needs the tensorboard package: pip install" in proc.stderr
         assert not os.path.exists(out)
-    else:
-        assert proc.returncode == 0 and any((out / "tensorboard").iterdir())
+    else:  # the epoch's metrics, as scalars TensorBoard reads back
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        assert proc.returncode == 0, proc.stderr
+        events = EventAccumulator(str(out / "tensorboard"))
+        events.Reload()
+        row = read_jsonl(out / "metrics.jsonl")[0]
+        for key in ("train_loss", "val_loss", "val_acc", "lr"):
+            assert [(e.step, e.value) for e in events.Scalars(key)] == [(1, pytest.approx(row[key], rel=1e-6))]
 
 
 def test_benchmark_cpu_checks_report(tmp_path):

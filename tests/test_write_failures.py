@@ -86,6 +86,7 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
     # Filled while epoch 2 trains (epoch 1 recorded): its checkpoint, about 700 KB, cannot be written.
     status, output, exit_s, filler = run_until_write_fails(args, nproc, launcher == "torchrun",
                                                            lambda o: metrics_rows(o) == 1, 64 * 1024, small_fs)
+    print(f"epoch-end checkpoint, {launcher}: the last rank out {exit_s:.1f} s after the error line")
     assert status == (1 if launcher == "torchrun" else 74) and exit_s < 10, (status, exit_s)  # torchrun: its own 1
     assert_one_line(output, f"error: no space left on device writing the checkpoint after epoch 2 in {out}; ",
                     f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: free space in {out}",
@@ -107,6 +108,7 @@ def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     args = [*run, "--out-dir", out]
     status, output, exit_s, filler = run_until_write_fails(args, 1, False, lambda o: (o / "checkpoint.pt").exists(),
                                                            64 * 1024, small_fs)
+    print(f"mid-epoch checkpoint, python: out {exit_s:.1f} s after the error line")
     assert status == 74 and exit_s < 10, (status, exit_s)
     line = assert_one_line(output, "error: no space left on device writing the checkpoint at step 20 of epoch 1 in ",
                            f"the last good checkpoint, {out}/checkpoint.pt (at step 10 of epoch 1), is intact")
@@ -127,8 +129,9 @@ def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(s
     # Leave exactly the pages epoch 2's checkpoint will take (epoch 1's, and the one more row of history
     # it holds), and not one for the metrics row written after it; --keep-checkpoints 3: no rotation frees any.
     pages = -(-(os.path.getsize(out / "checkpoint.pt") + reference[1]) // 4096)
-    filler = fill(small_fs, pages * 4096)
+    filler, filled = fill(small_fs, pages * 4096), time.time()
     assert proc.wait(timeout=120) != 0
+    print(f"metrics write: every rank out {time.time() - filled:.1f} s after the disk filled (the rest of epoch 2 included)")
     output = text(log)
     assert_one_line(output, f"error: no space left on device writing epoch 2's metrics in {out}; ",
                     f"the last good checkpoint, {out}/checkpoint.pt (after epoch 2), is intact")
@@ -155,6 +158,7 @@ def test_full_disk_under_elastic_restarts_says_the_same_line_quickly_on_every_at
     assert all(e.startswith("error: no space left on device writing ") for e in errors), errors
     assert all("then run the same command to resume" in e for e in errors[1:])
     assert "a checkpoint of about" in errors[1] and errors[1] == errors[2]
+    print(f"elastic, 3 attempts: all out {took:.1f} s after the disk filled")
     assert took < 60, took  # an epoch's work is not repeated on each attempt
     assert load_model_state(out)["progress"]["epoch"] == 1
 
@@ -181,6 +185,7 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     assert first.wait(timeout=60) != 0
     took = time.time() - deleted
     assert_one_line(text(first_log), f"another run took over --out-dir {out}", "so this one stops without writing there")
+    print(f"lost lock: every rank out {took:.1f} s after run.lock was deleted")
     assert took < 30, took  # at its next checkpoint (5 steps), not after --timeout (90 s)
     assert second.wait(timeout=300) == 0, text(second_log)
     assert "error: " not in text(second_log) and re.search(r"Resumed from .*checkpoint\.pt", text(second_log))
@@ -191,7 +196,9 @@ def test_a_filesystem_turned_read_only_mid_run_is_named_and_the_checkpoint_kept(
     proc, log = start([*RUN, "--out-dir", out], nproc=2, log=small_fs.parent / "run.log")
     wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 1's end")
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)  # as a failing Lustre OST does
+    turned = time.time()
     assert proc.wait(timeout=120) != 0
+    print(f"read-only: every rank out {time.time() - turned:.1f} s after the remount (the rest of epoch 2 included)")
     assert_one_line(text(log), f"error: read-only file system writing the checkpoint after epoch 2 in {out}; ",
                     f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: {out} is on a "
                     f"read-only filesystem: use another --out-dir")
