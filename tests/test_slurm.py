@@ -162,6 +162,7 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     assert errors[0].startswith(f"error: no space left on device writing the checkpoint after epoch 2 in {out}; "
                                 f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact")
     assert "timed out" not in read(log)
+    print(f"srun: the job ended {time.time() - filled:.1f} s after the disk filled (the rest of epoch 2 included)")
     assert time.time() - filled < 60  # the epoch, then seconds: far under --timeout
     assert load_model_state(seen / "run")["progress"]["epoch"] == 1
 
