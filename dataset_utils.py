@@ -14,6 +14,7 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 import functools
 import hashlib
 import math
+import numbers
 import os
 import pickle
 import signal
@@ -245,8 +246,9 @@ def check_split(split, name: str) -> tuple:
         raise UserError(f"load_data's {name} split is empty")
     item = split[0]
     image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
-    if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3) or not (
-            isinstance(label, int) or (isinstance(label, torch.Tensor) and label.dim() == 0)):
+    integer_label = isinstance(label, numbers.Integral) or (
+        isinstance(label, torch.Tensor) and label.dim() == 0 and not label.is_floating_point())
+    if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3) or not integer_label:
         got = f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} {getattr(image, 'dtype', '')}".strip()
         raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) as item 0: "
                         f"it must yield (uint8 tensor C x H x W, integer label); for image files, "
@@ -402,7 +404,7 @@ class ImageDataset(Dataset):
             image, label = self.images[idx], self.data.labels[idx]
         else:
             image, label = self.data[idx]
-            image = pad_images(image, self.pad) if self.augment else image
+            image, label = pad_images(image, self.pad) if self.augment else image, int(label)  # int64 once collated
         return (crop_flip(image, mix64(self.seed, epoch, idx), self.pad) if self.augment else image), label
 
 

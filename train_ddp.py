@@ -205,7 +205,7 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     train_loader, test_loader = dataset_utils.build_loaders(
         train_data, test_data, args.batch_size, env.rank, env.world_size, accum_steps, config["micro_batch_size"],
         args.seed, config["num_workers"], pin_memory=device.type == "cuda",
-        device=utils.data_device(args, device, train_data))
+        device=utils.data_device(args, device, train_data, test_data))
     normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")  # uint8 -> float
 
     # ------------------------------------------------------------------ model and optimizer

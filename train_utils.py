@@ -247,7 +247,8 @@ def call_and_agree(fn, *args, here: bool = True):
     return result
 
 
-def write_on_main(env: "DistEnv", write, what: str, out_dir: str, lock=None) -> None:
+def write_on_main(env: "DistEnv", write, what: str, out_dir: str, lock=None,
+                  then: str = "run the same command to resume") -> None:
     """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
     whether it failed, and all raise the same error and leave together: without this, the others would
     wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
@@ -264,7 +265,7 @@ def write_on_main(env: "DistEnv", write, what: str, out_dir: str, lock=None) -> 
             cause = os_error_of(e)
             if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
                 raise
-            error = WriteError(describe_write_failure(cause, what, out_dir))
+            error = WriteError(describe_write_failure(cause, what, out_dir, then))
     agree_on_error(error)
 
 
@@ -432,13 +433,14 @@ def run_config(args, env: DistEnv, ranks: list, per_rank_batch: int, accum_steps
             "device_type": env.device.type, "amp_dtype": str(amp_dtype)}
 
 
-def data_device(args, device: torch.device, split):
+def data_device(args, device: torch.device, *splits):
     """Where the loaders keep the data: the GPU (--loader gpu, the default on CUDA, for data held in
     memory), or None for DataLoaders with CPU workers (--loader torch, and any Dataset)."""
-    in_memory = hasattr(split, "images")  # dataset_utils.ImageData; a Dataset is read by the workers
+    in_memory = all(type(s).__name__ == "ImageData" for s in splits)  # a Dataset is read by the workers
     if args.loader == "gpu" and not in_memory:
+        other = next(type(s).__name__ for s in splits if type(s).__name__ != "ImageData")
         raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data returned "
-                        f"a {type(split).__name__}: use --loader torch (or auto)")
+                        f"a {other}: use --loader torch (or auto)")
     return device if in_memory and (args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda")) else None
 
 
@@ -765,7 +767,8 @@ def record_evaluation(out_dir: str, metrics: dict, epoch: int, env: DistEnv, pat
     log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
     log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
     record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
-    write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), "eval.json", out_dir)
+    write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), "eval.json", out_dir,
+                  then="evaluate again")
 
 
 def run_record(config: dict, ranks: list) -> dict:
@@ -854,13 +857,13 @@ WAY_OUT = {
 }
 
 
-def describe_write_failure(e: OSError, what: str, out_dir: str) -> str:
+def describe_write_failure(e: OSError, what: str, out_dir: str, then: str = "run the same command to resume") -> str:
     """One line for a failed write: what failed, where, the OS's reason, what is intact, the way out."""
     reason = (e.strerror or str(e)).lower()
     named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
     way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
     return (f"{reason} writing {what} in {e.filename if named else out_dir}; {describe_intact(out_dir)}: "
-            f"{way_out}, then run the same command to resume")
+            f"{way_out}, then {then}")
 
 
 def describe_intact(out_dir: str) -> str:
@@ -969,7 +972,10 @@ class OutDirLock:
     def check(self) -> None:
         """Raise unless this run still owns the out-dir (called before each checkpoint)."""
         holder, _ = self._read()
-        if not holder or holder.get("token") != self.me["token"]:
+        if holder is None:
+            raise UserError(f"this run's lock {self.path} is gone (deleted, or --out-dir removed), so this run stops "
+                            f"without writing there; if no other run uses {self.out_dir}, run the same command to resume")
+        if holder.get("token") != self.me["token"]:
             raise UserError(f"another run took over --out-dir {self.out_dir} ({describe_owner(holder)}), so this one "
                             f"stops without writing there; run one job per out-dir")
 

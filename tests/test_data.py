@@ -254,9 +254,24 @@ class Files(list):
     ([(torch.zeros(1, 4, 4, dtype=torch.uint8), 0)], None, "states no number of classes: set its .num_classes"),
     (Files([(torch.zeros(1, 4, 4, dtype=torch.uint8), 0)]), None, "states no per-channel mean and std"),
     ([(torch.zeros(4, 4, 1).numpy(), 0)], None, "it must yield (uint8 tensor C x H x W, integer label)"),
+    ([(torch.zeros(1, 4, 4, dtype=torch.uint8), torch.tensor(1.0))], None, "it must yield (uint8 tensor C x H x W, integer"),
     (42, None, "return dataset_utils.ImageData, or a Dataset"),
 ])
 def test_describe_data_refuses_what_the_loaders_cannot_take_in_one_line(train, test, says):
     with pytest.raises(UserError) as e:
         du.describe_data(train, test if test is not None else train)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
+    """torch.int32 and numpy integers from a user's Dataset: collated as int64, as cross_entropy needs."""
+    import numpy as np
+    items = Files([(torch.full((1, 8, 8), i, dtype=torch.uint8), label) for i, label in
+                   enumerate([torch.tensor(0, dtype=torch.int32), np.int64(1), 1, torch.tensor(0)])])
+    items.mean, items.std = (0.5,), (0.25,)
+    assert du.describe_data(items, items).num_classes == 2
+    train, test = du.build_loaders(items, items, 4, 0, 1, 1, 4, 0, 0, False)
+    train.batch_sampler.set_epoch(1)
+    for loader in (train, test):
+        (images, labels), = list(loader)
+        assert images.shape == (4, 1, 8, 8) and labels.dtype == torch.int64

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -178,17 +179,35 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     common = [*RUN, "--checkpoint-every", 5, "--timeout", 90]
     first, first_log = start([*common, "--out-dir", out], nproc=2)
     wait_for(lambda: (out / "checkpoint.pt").exists(), what="the first checkpoint")
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+    for pid in ranks:  # paused between two checkpoints, while the second run starts and takes the lock
+        os.kill(pid, signal.SIGSTOP)
     os.unlink(out / "run.lock")  # as the busy-out-dir message invites, when a run "is surely gone"
-    deleted = time.time()
     (tmp_path / "same").symlink_to(out)  # the same out-dir, by another name: the second run's log apart
-    second, second_log = start([*common, "--epochs", 1, "--out-dir", tmp_path / "same"], nproc=2)  # it takes the lock
+    second, second_log = start([*common, "--out-dir", tmp_path / "same"], nproc=2)
+    wait_for(lambda: (out / "run.lock").exists() or second.poll() is not None, what="the second run's lock")
+    owner = json.loads((out / "run.lock").read_text())
+    for pid in ranks:
+        os.kill(pid, signal.SIGCONT)
+    resumed = time.time()
     assert first.wait(timeout=60) != 0
-    took = time.time() - deleted
-    assert_one_line(text(first_log), f"another run took over --out-dir {out}", "so this one stops without writing there")
-    print(f"lost lock: every rank out {took:.1f} s after run.lock was deleted")
+    took = time.time() - resumed
+    assert_one_line(text(first_log), f"another run took over --out-dir {out} (host {owner['host']}, pid {owner['pid']}",
+                    "so this one stops without writing there")
+    print(f"lost lock: every rank out {took:.1f} s after it ran on")
     assert took < 30, took  # at its next checkpoint (5 steps), not after --timeout (90 s)
-    assert second.wait(timeout=300) == 0, text(second_log)
+    assert (out / "run.lock").exists() and json.loads((out / "run.lock").read_text())["token"] == owner["token"]
+    assert second.wait(timeout=300) == 0, text(second_log)  # its lock and its checkpoints untouched by the first
     assert "error: " not in text(second_log) and re.search(r"Resumed from .*checkpoint\.pt", text(second_log))
+
+
+def test_a_run_whose_lock_is_gone_says_so_and_writes_nothing(tmp_path):
+    from train_utils import OutDirLock, UserError
+    lock = OutDirLock(str(tmp_path)).acquire()
+    os.unlink(tmp_path / "run.lock")
+    with pytest.raises(UserError, match=f"this run's lock {tmp_path}/run.lock is gone .deleted, or --out-dir removed."):
+        lock.check()
+    lock.release()
 
 
 def test_a_filesystem_turned_read_only_mid_run_is_named_and_the_checkpoint_kept(small_fs):
