@@ -1152,9 +1152,6 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
             ckpt = load_checkpoint(path, device)
             if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
                 raise UserError(f"{path} is not a checkpoint of this script")
-            if "data_spec" not in ckpt["config"]:  # before the data described themselves
-                raise UserError(f"{path} was written by an older train_ddp.py, which did not record the data's "
-                                f"shape and statistics; evaluate it with that version, or train afresh")
         except UserError as e:
             problems.append(str(e))
             continue
@@ -1175,6 +1172,9 @@ def find_checkpoint(args, explicit: set, env: DistEnv):
     ckpt, path = found or (None, None)
     if args.evaluate and ckpt is None:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+    if ckpt is not None and "data_spec" not in ckpt["config"]:  # before the data described themselves
+        raise UserError(f"{path} was written by an older train_ddp.py, which did not record the data's shape and "
+                        f"statistics; evaluate it with that version, or train afresh in another --out-dir")
     notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
     call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
     return ckpt, path, notes
