@@ -207,8 +207,11 @@ def describe_data(train, test) -> DataSpec:
     num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
     for split, name in ((train, "training"), (test, "test")):
         labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
-        if labels is not None and len(labels) and not 0 <= int(min(labels)) <= int(max(labels)) < num_classes:
-            raise UserError(f"load_data's {name} labels span [{int(min(labels))}, {int(max(labels))}], outside "
+        if labels is None or not len(labels):
+            continue
+        low, high = int(torch.as_tensor(labels).min()), int(torch.as_tensor(labels).max())  # tensor ops: fast
+        if not 0 <= low <= high < num_classes:
+            raise UserError(f"load_data's {name} labels span [{low}, {high}], outside "
                             f"[0, {num_classes}) for {num_classes} classes: labels must be class indices 0, 1, ...")
     mean, std = getattr(train, "mean", None), getattr(train, "std", None)
     if mean is None or std is None:
@@ -271,7 +274,7 @@ def count_classes(train, test) -> int:
         if labels is None:
             raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its .num_classes "
                             f"(or .classes, or .targets, the list of its labels) in load_data")
-        highest.append(int(max(labels)))
+        highest.append(int(torch.as_tensor(labels).max()))
     return max(highest) + 1
 
 
