@@ -199,10 +199,10 @@ def describe_data(train, test) -> DataSpec:
     its `classes` list as torchvision's datasets have); ImageData's rest is computed, from exact integer
     sums, so that every rank gets the same numbers. A Dataset (too large to read twice) states its mean
     and std. Raises UserError, naming load_data, if the splits are not what the loaders take."""
-    shape = check_split(train, "training")
-    if check_split(test, "test") != shape:
+    shape, test_shape = check_split(train, "training"), check_split(test, "test")
+    if test_shape != shape:
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test images of "
-                        f"{' x '.join(map(str, check_split(test, 'test')))} (channels x height x width): "
+                        f"{' x '.join(map(str, test_shape))} (channels x height x width): "
                         f"both splits must hold images of one shape")
     num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
     for split, name in ((train, "training"), (test, "test")):

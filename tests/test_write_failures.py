@@ -41,7 +41,7 @@ def without_timing(rows):
 
 def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
     """Start the run, fill the disk once `when(out)` holds, and wait for the run to end; returns
-    (exit status, output, seconds from the error line to the exit)."""
+    (exit status, output, seconds from the error line to the exit, the filler file)."""
     out = args[args.index("--out-dir") + 1]
     proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")  # off the small disk
     wait_for(lambda: when(out) or proc.poll() is not None, timeout=180, what="the moment to fill the disk")
