@@ -420,42 +420,58 @@ class EpochSampler:
     yet seen, even on another number of ranks or with another batch size.
 
     Within a step the positions are dealt, like DistributedSampler's shards, to V = world_size x
-    accum_steps virtual ranks: virtual rank v takes every V-th position from v. Rank r's k-th
-    accumulation micro-step is virtual rank r + k x world_size, so W ranks x A micro-steps train
-    on exactly the micro-batches that W x A ranks would. Each step yields rank r's A micro-batches
-    back to back; the training step splits them (`micro_batch_sizes`). Nothing is padded or dropped:
-    the epoch's last, short step deals what is left the same way, so some micro-batches there are
-    one sample smaller, or empty, and every rank still takes the same number of steps."""
+    accum_steps virtual ranks (`deal_step`): rank r's k-th accumulation micro-step is virtual rank
+    r + k x world_size, so W ranks x A micro-steps train on exactly the micro-batches that W x A
+    ranks would. Each step yields rank r's A micro-batches back to back, and `step_split` tells the
+    training step where they part. Nothing is padded or dropped: the epoch's last, short step deals
+    what is left the same way, so some micro-batches there are one sample smaller, or empty, and
+    every rank still takes the same number of steps."""
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
+    def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
                  seed: int = 0):
         self.n, self.batch_size, self.seed = num_samples, batch_size, seed
         self.rank, self.world_size, self.accum_steps = rank, world_size, accum_steps
-        self.virtual = world_size * accum_steps
-        assert batch_size % self.virtual == 0, "the global batch splits into equal micro-batches"
-        self.micro_batch = batch_size // self.virtual
+        assert batch_size % (world_size * accum_steps) == 0, "the global batch splits into equal micro-batches"
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
 
+    def step_split(self, position: int) -> tuple:
+        """The global step that starts at `position` of the epoch's order: its number of samples (the
+        epoch's last step may be short) and the sizes of this rank's micro-batches in it."""
+        step_samples = min(self.batch_size, self.n - position)
+        return step_samples, [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
+
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        rest = torch.randperm(self.n, generator=g).tolist()[self.start:]
-        shards = [rest[self.rank + k * self.world_size::self.virtual] for k in range(self.accum_steps)]
-        b = self.micro_batch
-        for first in range(0, len(self) * b, b):
-            yield [(self.epoch, i) for shard in shards for i in shard[first:first + b]]
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for first in range(self.start, self.n, self.batch_size):
+            step = order[first:first + self.batch_size]
+            yield [(self.epoch, step[i]) for micro in deal_step(len(step), self.rank, self.world_size, self.accum_steps)
+                   for i in micro]
 
     def __len__(self) -> int:
         return -(-max(self.n - self.start, 0) // self.batch_size)
 
 
-def micro_batch_sizes(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
-    """The sizes of rank `rank`'s micro-batches in a global step of `step_samples` samples, as
-    EpochSampler deals them: virtual rank v = rank + k * world_size takes every V-th sample from v."""
+def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
+    """The positions within a global step of `step_samples` samples that rank `rank`'s micro-steps take,
+    one range per micro-step: virtual rank v = rank + k x world_size takes every V-th position from v,
+    V = world_size x accum_steps. The one place the split is made: the sampler deals by it, and the
+    training step splits its batch by it (EpochSampler.step_split)."""
     v = world_size * accum_steps
-    return [len(range(rank + k * world_size, step_samples, v)) for k in range(accum_steps)]
+    return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
+
+
+def data_device(loader: str, device: torch.device, *splits):
+    """Where the loaders keep the data: `device` (--loader gpu, and auto on CUDA) for ImageData held in
+    memory, or None for DataLoaders with CPU workers (--loader torch, and any Dataset)."""
+    in_memory = all(isinstance(s, ImageData) for s in splits)  # a Dataset is read by the workers
+    if loader == "gpu" and not in_memory:
+        other = next(type(s).__name__ for s in splits if not isinstance(s, ImageData))
+        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data returned "
+                        f"a {other}: use --loader torch (or auto)")
+    return device if in_memory and (loader == "gpu" or (loader == "auto" and device.type == "cuda")) else None
 
 
 def _collate(shape, batch):
@@ -465,15 +481,17 @@ def _collate(shape, batch):
     return default_collate(batch)
 
 
-def build_loaders(train, test, batch_size: int, rank: int, world_size: int,
-                  accum_steps: int, eval_batch: int, seed: int, workers: int, pin_memory: bool, device=None):
+def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, accum_steps: int, eval_batch: int,
+                  seed: int, workers: int, pin_memory: bool, device=None):
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
     micro-batches back to back; call sampler.set_epoch each epoch) and the test loader (sharded
     without padding or dropping: every test image is scored exactly once, in batches of `eval_batch`).
     The splits are ImageData or Datasets (describe_data). With `device`, both are DeviceLoaders over
     ImageData held on that device; else DataLoaders."""
-    sampler = EpochSampler(len(train), batch_size, rank, world_size, accum_steps, seed)
-    test_loader = build_test_loader(test, rank, world_size, eval_batch, workers, pin_memory, device)
+    sampler = EpochSampler(len(train), batch_size=batch_size, rank=rank, world_size=world_size,
+                           accum_steps=accum_steps, seed=seed)
+    test_loader = build_test_loader(test, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers,
+                                    pin_memory=pin_memory, device=device)
     if device is not None:
         return DeviceLoader(train, device, sampler=sampler, seed=seed), test_loader
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
@@ -484,7 +502,8 @@ def build_loaders(train, test, batch_size: int, rank: int, world_size: int,
     return train_loader, test_loader
 
 
-def build_test_loader(test, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool, device=None):
+def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool,
+                      device=None):
     """Rank r scores test images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
     shard = range(rank, len(test), world_size)
     if device is not None:

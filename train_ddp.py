@@ -31,10 +31,10 @@ from model import WideResNet, depth_arg, width_arg
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
-                                epilog="The defaults are the seed's 5-epoch smoke run; the full recipe (the WRN paper's "
+                                epilog="The defaults are the original script's 5-epoch smoke run; the full recipe (the WRN paper's "
                                        "WRN-16-8, 200 epochs) is RECIPE in jobs/lib.sh, which the job scripts run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # The seed script's flags keep their meaning.
+    # The original script's flags keep their meaning.
     p.add_argument("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
     p.add_argument("--epochs", type=int, default=5, help="number of epochs to train")
     p.add_argument("--base-lr", type=float, default=0.01, help="learning rate tuned for --reference-batch-size on one GPU")
@@ -101,10 +101,11 @@ def load_data(args, env, train: bool = True):
             dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size))
 
 
-def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes, step_samples):
+def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes,
+               step_samples):
     """One optimizer step on this rank's share of a global batch of `step_samples` samples, in micro-batches
-    of `micro_sizes` (dataset_utils.micro_batch_sizes); `loss_fn` sums. Returns the step's loss sums on the
-    device (utils.loss_stats): reading the loss on the host here would stall the GPU every step."""
+    of `micro_sizes` (EpochSampler.step_split); `loss_fn` sums. Returns the step's loss sums on the device
+    (utils.loss_stats): reading the loss on the host here would stall the GPU every step."""
     device = normalize.scale.device
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
@@ -114,7 +115,7 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        with utils.no_sync(model, skip=k < len(micro_sizes) - 1):  # DDP all-reduces in the last micro-step's backward
+        with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):  # DDP all-reduces in the last one
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
@@ -130,7 +131,7 @@ def train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, amp
     return stats
 
 
-def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run) -> bool:
+def train_one_epoch(model, loader, *, optimizer, scaler, loss_fn, normalize, epoch, progress, run) -> bool:
     """Train the rest of `epoch` from progress.position. Returns True if the ranks agreed to stop
     (a stop request), with a checkpoint saved. Raises UserError if the loss went non-finite."""
     args, env, n = run.args, run.env, run.n_train
@@ -141,27 +142,27 @@ def train_one_epoch(model, loader, optimizer, scaler, loss_fn, normalize, epoch,
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
     t0 = time.perf_counter() - progress.elapsed_s
     for images, labels in loader:
-        step_samples = min(args.batch_size, n - progress.position)  # the last step may be short
+        step_samples, micro_sizes = loader.batch_sampler.step_split(progress.position)  # the last step may be short
         done = progress.position + step_samples
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
         # so a resume with another batch size keeps its schedule.
         utils.set_lr(optimizer, run.peak_lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
-                                                              args.epochs, args.warmup_epochs, args.lr_schedule))
-        micro_sizes = dataset_utils.micro_batch_sizes(step_samples, env.rank, env.world_size, run.accum_steps)
-        sums += train_step(model, images, labels, normalize, optimizer, scaler, loss_fn, run.amp_dtype, micro_sizes,
-                           step_samples)
+                                                              epochs=args.epochs, warmup_epochs=args.warmup_epochs,
+                                                              schedule=args.lr_schedule))
+        sums += train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
+                           loss_fn=loss_fn, amp_dtype=run.amp_dtype, micro_sizes=micro_sizes, step_samples=step_samples)
         progress.position, progress.step = done, progress.step + 1
         run.progress_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)
-        if utils.stop_or_checkpoint_mid_epoch(run, progress, sums, t0, scaler.is_enabled()):
+        if utils.stop_or_checkpoint_mid_epoch(run, progress, sums, t0=t0, allow_nonfinite=scaler.is_enabled()):
             return True
-    # Summing over ranks waits for the slowest, like the seed's barrier, so the time is honest.
+    # Summing over ranks waits for the slowest, like the original script's barrier, so the time is honest.
     progress.sums, progress.elapsed_s = utils.all_reduce_sum(sums).tolist(), time.perf_counter() - t0
     run.progress_log.clear()
     return False
 
 
 @torch.no_grad()
-def evaluate(model, loader, normalize, device, amp_dtype, expected_count: int) -> dict:
+def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int) -> dict:
     """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
     the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
     forward may broadcast, and a rank with an empty shard would not join. The count check: every image once."""
@@ -191,8 +192,9 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     per_rank_batch = args.batch_size // env.world_size  # --batch-size is global: each rank takes its share
     accum_steps = utils.accumulation_steps(per_rank_batch, args.micro_batch)  # micro-steps of at most --micro-batch
     lr = utils.scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling)  # LR for the global batch
-    config = utils.run_config(args, env, ranks, per_rank_batch, accum_steps, lr, amp_dtype)  # flags + what they made
-    utils.log_start(config, env, notes)  # the seed's first lines, the config, the batch split and LR
+    config = utils.run_config(args, env, ranks=ranks, per_rank_batch=per_rank_batch, accum_steps=accum_steps, lr=lr,
+                              amp_dtype=amp_dtype)  # every flag, and what this run made of them
+    utils.log_start(config, env, notes)  # the original script's first lines, the config, the batch split and LR
 
     # ------------------------------------------------------------------ data
     train_data, test_data = utils.call_and_agree(load_data, args, env)  # an error on any rank: raised on all
@@ -203,9 +205,9 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     utils.call_and_agree(utils.check_same_model, ckpt, ckpt_path, model_config(args, data))
     # Training: each rank's share of every global batch. Test: rank r scores images r, r + world_size, ...
     train_loader, test_loader = dataset_utils.build_loaders(
-        train_data, test_data, args.batch_size, env.rank, env.world_size, accum_steps, config["micro_batch_size"],
-        args.seed, config["num_workers"], pin_memory=device.type == "cuda",
-        device=utils.data_device(args, device, train_data, test_data))
+        train_data, test_data, batch_size=args.batch_size, rank=env.rank, world_size=env.world_size,
+        accum_steps=accum_steps, eval_batch=config["micro_batch_size"], seed=args.seed, workers=config["num_workers"],
+        pin_memory=device.type == "cuda", device=dataset_utils.data_device(args.loader, device, train_data, test_data))
     normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")  # uint8 -> float
 
     # ------------------------------------------------------------------ model and optimizer
@@ -221,7 +223,8 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     utils.seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
 
     # ------------------------------------------------------------------ resume, then DDP
-    progress = utils.restore_checkpoint(ckpt, ckpt_path, model, optimizer, scaler, args, env, config)  # where training stands
+    progress = utils.restore_checkpoint(ckpt, ckpt_path, model=model, optimizer=optimizer, scaler=scaler, args=args,
+                                        env=env, config=config)  # where training stands
     bare_model = eval_model = model  # evaluate() needs no DDP (see there)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy
         model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -231,32 +234,41 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     def save_state():
         """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes, unless another
         run took the out-dir, and all ranks leave together if that write fails."""
-        state = utils.training_state(bare_model, optimizer, scaler, progress, config, model_config(args, data),
-                                     fingerprints, device)
+        state = utils.training_state(bare_model, optimizer=optimizer, scaler=scaler, progress=progress, config=config,
+                                     model_config=model_config(args, data), fingerprints=fingerprints, device=device)
         utils.write_on_main(env, lambda: utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints),
-                            f"the checkpoint {utils.describe_progress(progress)}", args.out_dir, lock)
+                            what=f"the checkpoint {utils.describe_progress(progress)}", out_dir=args.out_dir, lock=lock)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     # A full disk is refused now, not after an epoch's work; then the run's files: metrics.jsonl, run.json, ...
     utils.call_and_agree(utils.check_room_for_checkpoint, args.out_dir, bare_model, optimizer, here=env.is_main)
-    records = utils.Records(args, env, config, ranks, progress.history, lock)
-    run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data),
-                           stop=utils.StopRequest(), progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
-    for epoch in progress.epochs_left(args.epochs):
-        if train_one_epoch(model, train_loader, optimizer, scaler, loss_fn, normalize, epoch, progress, run):
-            return utils.EXIT_STOPPED
-        stopping = run.stop.check(device, progress.sums, scaler.is_enabled())  # all ranks agree; a NaN loss raises
-        val = evaluate(eval_model, test_loader, normalize, device, amp_dtype, len(test_data))
-        metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
-        utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the seed's four lines
-        progress.finish_epoch(metrics, args.patience, args.target_accuracy)  # early stopping decided here
-        save_state()
-        records.add_epoch(metrics)
-        if (action := utils.after_epoch(progress, run.stop, stopping, epoch, args)) == "exit":  # a stop request
-            return utils.EXIT_STOPPED
-        if action == "end":  # early stopping, or --stop-after-epoch
-            break
-    records.finish(progress, len(train_data), len(test_data))  # summary.json and the seed's summary
+    records = utils.Records(args, env, config=config, ranks=ranks, history=progress.history, lock=lock)
+    with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
+        run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data),
+                               stop=stop, progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
+        for epoch in progress.epochs_left(args.epochs):
+            if train_one_epoch(model, train_loader, optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
+                               normalize=normalize, epoch=epoch, progress=progress, run=run):
+                return utils.EXIT_STOPPED  # a stop request mid-epoch, checkpointed: run again to resume
+            stopping = stop.check(device, progress.sums, scaler.is_enabled())  # all ranks agree; a NaN loss raises
+            val = evaluate(eval_model, test_loader, normalize=normalize, device=device, amp_dtype=amp_dtype,
+                           expected_count=len(test_data))
+            metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
+            utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the original script's four lines
+            progress.finish_epoch(metrics, args.patience, args.target_accuracy)  # early stopping decided here
+            save_state()
+            records.add_epoch(metrics)
+            if progress.stopped_early:
+                utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
+                break
+            if stopping and epoch < args.epochs:  # a stop request at the epoch's end
+                utils.log(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with status "
+                          f"{utils.EXIT_STOPPED} to be resumed.")
+                return utils.EXIT_STOPPED
+            if epoch == args.stop_after_epoch and epoch < args.epochs:
+                utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
+                break
+    records.finish(progress, len(train_data), len(test_data))  # summary.json and the original script's summary
     return 0
 
 
@@ -269,9 +281,9 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
                          {"test": dataset_utils.fingerprint(test_data)})
     utils.call_and_agree(utils.check_same_model, ckpt, path, model_config(args, data))
     eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)  # ceil: any world size
-    test_loader = dataset_utils.build_test_loader(test_data, env.rank, env.world_size, eval_batch, workers=0,
-                                                  pin_memory=device.type == "cuda",
-                                                  device=utils.data_device(args, device, test_data))
+    test_loader = dataset_utils.build_test_loader(test_data, rank=env.rank, world_size=env.world_size,
+                                                  batch_size=eval_batch, workers=0, pin_memory=device.type == "cuda",
+                                                  device=dataset_utils.data_device(args.loader, device, test_data))
     model = utils.to_device(build_model(args, data), device)
     model.load_state_dict(ckpt["model"])
     model = torch.compile(model, dynamic=False) if args.compile else model
@@ -279,8 +291,9 @@ def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
     utils.log(f"Evaluating {path} ({utils.describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs "
               f"trained) on {len(test_data)} test images with {env.world_size} processes")
     normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")
-    metrics = evaluate(model, test_loader, normalize, device, amp_dtype, len(test_data))
-    utils.record_evaluation(args.out_dir, metrics, epoch, env, path)  # two lines, and eval.json
+    metrics = evaluate(model, test_loader, normalize=normalize, device=device, amp_dtype=amp_dtype,
+                       expected_count=len(test_data))
+    utils.record_evaluation(metrics, out_dir=args.out_dir, epoch=epoch, env=env, path=path)  # two lines, eval.json
     return 0
 
 

@@ -1,5 +1,15 @@
-"""Helpers for train_ddp.py, grouped by concern; each group says what it is for. train_ddp.py holds
-the recipe; what is here is the machinery it calls by name."""
+"""The machinery of train_ddp.py, in two parts.
+
+The first part is what the recipe calls, grouped in the order it calls it: errors, setting up, the
+run's shape and LR, the model across ranks, the training loop's stops, checkpoints, and output. The
+second part is the machinery behind those calls: launch and network diagnostics, collectives, atomic
+files, the out-dir lock, and checkpoint internals. A reader of the recipe needs only the first.
+
+One error protocol throughout: a problem the user can fix is a UserError (exit 2; WriteError, exit 74),
+raised on every rank through call_and_agree or write_on_main and said once by rank 0. Nothing runs at
+import: signal handlers are installed by the training loop (StopRequest) and removed after it."""
+from __future__ import annotations
+
 import argparse
 import copy
 import datetime
@@ -17,12 +27,21 @@ import tempfile
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+
+# =================================================================================================
+# Part 1: what train_ddp.py calls, in the order it calls it
+# =================================================================================================
+
+
+# ---------------------------------------------------------------------------- errors: one protocol
+# A check raises UserError; call_and_agree (or write_on_main, for rank 0's writes) raises it on every
+# rank, so all leave together; main() prints it once, and the exit status says which kind it was.
 
 class UserError(Exception):
     """A problem the user can fix: printed as one line, without a traceback, and the run exits 2."""
@@ -40,8 +59,84 @@ class RendezvousError(UserError):
     on, and rank 0 may be the one left waiting (gloo's accepting side waits far longer than --timeout)."""
 
 
-# ----------------------------------------------------------------------------- distributed setup
-# Who this process is (torchrun, srun or plain python), its device, and the process group.
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run again (requeue) to resume
+
+
+def call_and_agree(fn, *args, here: bool = True):
+    """fn(*args) on this rank (if `here`), then agree_on_error: a UserError on any rank is raised on
+    every rank, and so is an OSError (a missing or unreadable file), named after fn. Returns fn's
+    result (None where it did not run)."""
+    result, error = None, None
+    if here:
+        try:
+            result = fn(*args)
+        except UserError as e:
+            error = e
+        except OSError as e:
+            error = UserError(f"{getattr(fn, '__name__', 'a call')} failed: {e}")
+    agree_on_error(error)
+    return result
+
+
+def write_on_main(env: "DistEnv", write, *, what: str, out_dir: str, lock=None,
+                  then: str = "run the same command to resume") -> None:
+    """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
+    whether it failed, and all raise the same error and leave together: without this, the others would
+    wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
+    this run still owns out_dir."""
+    error = None
+    if env.is_main:
+        try:
+            if lock is not None:
+                lock.check()
+            write()
+        except UserError as e:
+            error = e
+        except (OSError, RuntimeError) as e:
+            cause = os_error_of(e)
+            if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+                raise
+            error = WriteError(describe_write_failure(cause, what, out_dir, then))
+    agree_on_error(error)
+
+
+def leave_on_user_error(e: UserError) -> int:
+    """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
+    soon as one exits and rank 0 must have said why first. Returns the exit status: 2, or 74 for a
+    failed write."""
+    if isinstance(e, RendezvousError):  # no process group: every rank says why, as rank 0 may still be waiting
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_status
+    log(f"error: {e}", file=sys.stderr)
+    if dist.is_initialized():
+        dist.barrier()
+    elif not read_dist_env().is_main:
+        time.sleep(5)
+    return e.exit_status
+
+
+def run_cli(main, parser) -> int:
+    """Parse the command line and run main(args, explicit), minus the tracebacks a user should not have
+    to read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
+    or dead peer, said in one line on every rank instead of a wall of C++ frames."""
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
+    parser.error = lambda message: refuse_flags(parser, message)
+    args = parser.parse_args()
+    explicit = explicit_flags(parser, sys.argv[1:])
+    try:
+        return main(args, explicit)
+    except KeyboardInterrupt:
+        print(f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save", file=sys.stderr,
+              flush=True)
+        return 130
+    except RuntimeError as e:
+        if (why := describe_comm_failure(e, args.timeout)) is None:
+            raise
+        print(f"error: rank {read_dist_env().rank}: {why}", file=sys.stderr, flush=True)
+        return 1
+
+
+# -------------- setting up: who this process is, its device, its flags, its out-dir and checkpoint
 
 @dataclass
 class DistEnv:
@@ -72,26 +167,6 @@ def read_dist_env() -> DistEnv:
     return DistEnv()
 
 
-def adopt_slurm_env() -> None:
-    """Translate an srun step's variables into torchrun's, so init_process_group("env://") works.
-    The master is the allocation's first node; the port is derived from the job id, so that two
-    jobs sharing a node do not collide."""
-    env = os.environ
-    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
-    if "MASTER_ADDR" not in env:
-        import subprocess
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-        try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout.split()
-            env["MASTER_ADDR"] = out[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-
-
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu or auto")
@@ -101,13 +176,6 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
         raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
                         f"launch at most that many processes per node (--nproc_per_node)")
     return torch.device("cuda", local_rank)
-
-
-def default_workers(env: DistEnv) -> int:
-    """DataLoader workers per rank for --workers -1: the rank's share of the CPUs it may use, at most
-    8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
-    cpus = len(os.sched_getaffinity(0))
-    return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
 
 
 def init_distributed(env: DistEnv, timeout_s: float) -> None:
@@ -139,6 +207,632 @@ def init_distributed(env: DistEnv, timeout_s: float) -> None:
         if (why := describe_init_failure(e, env, timeout_s)) is None:
             raise
         raise RendezvousError(why) from None
+
+
+def check_args(args, world_size: int, device: torch.device) -> None:
+    """Reject bad input before any work, with one line that says what to change."""
+    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
+        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
+                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
+    if not 0.0 <= args.target_accuracy <= 1.0:
+        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
+    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                            "(or pip install -e '.[tensorboard]')") from None
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
+                        f"(leave it out for no cap)")
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
+    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
+        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
+
+
+def resolve_amp(amp: str, device: torch.device):
+    """The autocast dtype, or None for full fp32."""
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
+
+
+def lock_out_dir(out_dir: str, env: DistEnv):
+    """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
+    UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
+    def check_and_acquire():
+        check_writable(out_dir)
+        try:
+            return OutDirLock(out_dir).acquire()
+        except OSError as e:  # it was writable a moment ago: a full disk or quota, most likely
+            raise WriteError(describe_write_failure(e, "the lock", out_dir)) from None
+
+    lock = call_and_agree(check_and_acquire, here=env.is_main)  # one agreement for both steps
+    if lock and lock.note:
+        log(f"note: {lock.note}")
+    return lock
+
+
+def find_checkpoint(args, explicit: set, env: DistEnv):
+    """The checkpoint this run continues (or --evaluate scores), its path, and notes on what this run
+    changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it
+    (the data and the model are checked once loaded: check_same_data, check_same_model)."""
+    found = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    ckpt, path = found or (None, None)
+    if args.evaluate and ckpt is None:
+        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+    if ckpt is not None:
+        check_checkpoint_format(ckpt, path)
+    notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
+    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
+    return ckpt, path, notes
+
+
+# ------------------------------- the run's shape: ranks, batch split, LR rule and schedule, config
+
+def gather_ranks(env: DistEnv) -> list:
+    """Every rank's host, its address on the way to the rendezvous, the rendezvous address as it
+    resolved here, and its device, indexed by rank: the node count, and run.json's record."""
+    master = master_address()
+    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+                       "address": route_source(master) if master else None, "master_address": master,
+                       "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
+
+
+def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
+    `micro_batch` samples (None: no cap, one step)."""
+    if not micro_batch or micro_batch >= per_rank_batch:
+        return 1
+    return next(a for a in range(1, per_rank_batch + 1) if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
+
+
+def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
+    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
+    ratio = batch_size / reference_batch
+    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, schedule: str) -> float:
+    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
+    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
+    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
+    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
+    if start < warmup_epochs:
+        return min(1.0, end / warmup_epochs)
+    if schedule == "step":
+        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
+    progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def run_config(args, env: DistEnv, *, ranks: list, per_rank_batch: int, accum_steps: int, lr: float,
+               amp_dtype) -> dict:
+    """Every flag, and what this run made of them: printed once, stored in every checkpoint and record."""
+    return {**vars(args), "world_size": env.world_size, "nodes": len({r["host"] for r in ranks}),
+            "per_rank_batch": per_rank_batch, "accumulation_steps": accum_steps,
+            "micro_batch_size": per_rank_batch // accum_steps, "lr": lr,
+            "num_workers": args.workers if args.workers >= 0 else default_workers(env),
+            "device_type": env.device.type, "amp_dtype": str(amp_dtype)}
+
+
+# -------------------------------------------------------------------------- the model across ranks
+# The bare model under DDP and compile, DDP's gradient sync, BatchNorm buffers, and seeding.
+
+def seed_everything(seed: int) -> None:
+    import random
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model on its device; on CUDA in channels_last, the layout cuDNN's fastest convolutions want."""
+    return model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model under DDP and torch.compile, so saved keys carry no module./_orig_mod. prefix."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def sync_gradients(model, enabled: bool):
+    """A context for one backward: DDP all-reduces the gradients in it if `enabled`, and else only
+    accumulates them locally (DDP's no_sync), through torch.compile's wrapper; a no-op without DDP."""
+    ddp = getattr(model, "_orig_mod", model)
+    return ddp.no_sync() if not enabled and isinstance(ddp, DDP) else nullcontext()
+
+
+def restore_buffers(model: torch.nn.Module, kept: list | None) -> None:
+    """Put back copies taken of unwrap(model).buffers() (BatchNorm's running statistics), if any."""
+    for buffer, saved in zip(unwrap(model).buffers(), kept or []):
+        buffer.copy_(saved)
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. In training each rank's
+    running statistics drift apart (each sees its own batches), and DDP only re-sends rank 0's at
+    the start of each training forward; evaluation uses the bare model, so it sends them here, on
+    every rank, whatever its test shard: every rank then evaluates the same model, and the one
+    rank 0 saves."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+# --------------------------------------------------- the training loop: loss sums and agreed stops
+# What each step needs, the loss sums, and the stops all ranks agree on: signals, the stop file, a
+# non-finite loss.
+
+@dataclass
+class RunContext:
+    """What train_one_epoch needs besides the model, the optimizer and the data; made once by train()."""
+    args: object                 # the flags
+    env: DistEnv                 # rank, world size, device
+    amp_dtype: object            # the autocast dtype, or None for fp32
+    peak_lr: float               # the LR scaled for the global batch, before warm-up and schedule
+    accum_steps: int             # micro-steps per optimizer step on each rank
+    n_train: int                 # training samples per epoch
+    stop: "StopRequest"          # signals and the stop file, agreed on by all ranks
+    progress_log: "ProgressLog"  # rank 0's progress lines
+    save_state: object           # writes a checkpoint; every rank calls it
+
+
+def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
+    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
+    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
+    finite = torch.isfinite(loss_sum)
+    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
+    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
+
+
+class StopRequest:
+    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), by Ctrl-C
+    (SIGINT; a second one quits at once), or by the file named in $DDP_STOP_FILE (which the job
+    scripts create when their shell is signalled, as that reaches every rank on every node, in a
+    container too). Ranks agree in `check`."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal = None
+        self.stop_file = os.environ.get("DDP_STOP_FILE")
+        self.prev_sums = None  # the sums at the previous check (fp16's divergence test)
+        self._previous = {}  # the handlers before __enter__
+
+    def __enter__(self) -> "StopRequest":
+        """Catch the signals while the training loop runs (`with StopRequest() as stop:`); outside it,
+        Ctrl-C and SIGTERM act as usual."""
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def reason(self) -> str:
+        """Why the run stops, for its log line: the signal or stop file seen here, else another rank's."""
+        return self.signal or "on another rank"
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            _say("\nSecond Ctrl-C: quitting now, without a checkpoint (the last one is intact).\n")
+            os._exit(130)
+        if signum == signal.SIGINT:
+            _say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to quit now.\n")
+        self.signal = signal.Signals(signum).name
+
+    def requested_here(self) -> bool:
+        if self.signal is None and self.stop_file and os.path.exists(self.stop_file):
+            self.signal = f"stop file {self.stop_file}"
+        return self.signal is not None
+
+    def check(self, device, sums, allow_nonfinite: bool) -> bool:
+        """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
+        non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
+        fp16 the grad scaler skips the odd overflowing step, so only divergence stops the run: a majority
+        of non-finite losses since the previous check."""
+        sums = torch.as_tensor(sums, dtype=torch.float64, device=device)
+        if allow_nonfinite:
+            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
+            prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
+            self.prev_sums = sums.clone()
+            finite, count = sums[1] - prev[1], sums[2] - prev[2]
+            diverged = finite < 0.5 * count
+        else:
+            diverged = sums[1] < sums[2]
+        flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
+                             diverged.to(device=device, dtype=torch.float32)])
+        stop, bad = all_reduce_max(flags).tolist()
+        if bad and allow_nonfinite:
+            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: training "
+                            "diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
+                            "--amp bf16, then run again to resume from the last checkpoint")
+        if bad:
+            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
+                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
+        return bool(stop)
+
+
+def stop_or_checkpoint_mid_epoch(run: RunContext, progress, sums: torch.Tensor, *, t0: float,
+                                 allow_nonfinite: bool) -> bool:
+    """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
+    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
+    args, step = run.args, progress.step
+    checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
+    if step % STOP_CHECK_EVERY and not checkpoint_due:
+        return False
+    stopping = run.stop.check(run.env.device, sums, allow_nonfinite)  # all ranks agree
+    if stopping or checkpoint_due:
+        progress.elapsed_s = time.perf_counter() - t0
+        progress.sums = all_reduce_sum(sums.clone()).tolist()
+        run.save_state()
+    if stopping:
+        log(f"Stop requested ({run.stop.reason}) in epoch {progress.epoch + 1} after step {step}: "
+            f"checkpoint saved in {args.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
+    return stopping
+
+
+@dataclass
+class Progress:
+    """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
+    epoch: int = 0              # epochs completed
+    position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
+    step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
+    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
+    elapsed_s: float = 0.0      # that epoch's training time so far
+    history: list = field(default_factory=list)  # one metrics dict per completed epoch
+    total_time_s: float = 0.0
+    total_images: int = 0
+    stopped_early: bool = False
+
+    def epochs_left(self, epochs: int) -> range:
+        """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
+        return range(self.epoch + 1, epochs + 1) if not self.stopped_early else range(0)
+
+    def finish_epoch(self, metrics: dict, patience: int, target_accuracy: float) -> None:
+        """Close a trained and evaluated epoch: keep its metrics, decide early stopping (from the
+        all-reduced accuracy, so every rank decides alike), and start the next at its beginning."""
+        self.history.append(metrics)
+        recent = [m["val_acc"] for m in self.history[-patience:]]
+        self.stopped_early = len(recent) == patience and min(recent) >= target_accuracy
+        self.epoch, self.position, self.step = metrics["epoch"], 0, 0
+        self.total_time_s += self.elapsed_s
+        self.total_images += int(self.sums[2])
+        self.sums, self.elapsed_s = [0.0] * 3, 0.0
+
+
+# ----------------------------------------------------------- checkpoints: checked, restored, saved
+# A run continues only its own checkpoint; a checkpoint is written whole or not at all.
+
+def check_same_data(ckpt, args, shape: dict, fingerprints: dict) -> None:
+    """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
+    (`shape`: DataSpec.shape() or dataset_utils.image_shape()), then the samples themselves (same flags,
+    other files)."""
+    if ckpt is None:
+        return
+    saved_shape = {k: ckpt["config"]["data_spec"][k] for k in shape}
+    if saved_shape != shape:
+        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {args.out_dir} was trained "
+                        f"on {describe_shape(saved_shape)}: use another --out-dir for a new run, or load the data "
+                        f"it trained on")
+    saved = ckpt["data"]
+    for split, fp in fingerprints.items():
+        if saved[split] != fp:
+            raise UserError(f"the {split} data in --data-dir {args.data_dir} differ from those the checkpoint in "
+                            f"{args.out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
+                            f"--data-dir at the same data, or use another --out-dir for a new run")
+
+
+def check_same_model(ckpt, path: str, model_config: dict) -> None:
+    """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
+    if ckpt is not None and ckpt["model_config"] != model_config:
+        raise UserError(f"{path} holds {describe_model(ckpt['model_config'])}, but this run builds "
+                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same model, or "
+                        f"use another --out-dir")
+
+
+def describe_model(cfg: dict) -> str:
+    """A model_config in words: its "name" (else its keys and values), and its classes."""
+    name = cfg.get("name") or ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "num_classes")
+    return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
+
+
+
+def restore_checkpoint(ckpt, path: str, *, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:
+    """Load the checkpoint's state into this run's objects; say what changed. Returns its Progress, or a
+    new one (epoch 0) if there is no checkpoint."""
+    if ckpt is None:
+        return Progress()
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["scaler"]:  # empty unless that run used fp16
+        scaler.load_state_dict(ckpt["scaler"])
+    saved = ckpt["config"]
+    progress = Progress(**ckpt["progress"])
+    if saved["lr"] != config["lr"]:
+        log(f"note: the peak LR changed from {saved['lr']:.4g} to {config['lr']:.4g} on resume")
+    if saved["batch_size"] != args.batch_size:
+        log(f"note: the global batch changed from {saved['batch_size']} to {args.batch_size} on resume: the "
+            f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample "
+            f"{progress.position})")
+    if (saved["accumulation_steps"], saved["micro_batch_size"]) != (
+            config["accumulation_steps"], config["micro_batch_size"]) and saved["world_size"] != env.world_size:
+        log(f"note: {saved['world_size']} ranks x {saved['accumulation_steps']} accumulation steps x "
+            f"{saved['micro_batch_size']} before, {env.world_size} x "
+            f"{config['accumulation_steps']} x {config['micro_batch_size']} now: the same global batch")
+    progress.step = -(-progress.position // args.batch_size)
+    if ckpt["world_size"] == env.world_size:  # else train()'s seeding serves as well as any
+        torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
+        if env.device.type == "cuda" and ckpt["rng_cuda"]:
+            torch.cuda.set_rng_state(ckpt["rng_cuda"][env.rank].cpu(), env.device)
+    log(f"Resumed from {path}: epoch {progress.epoch} of {args.epochs} done"
+        + (f", and {progress.position} samples ({progress.step} steps) of the next." if progress.position else "."))
+    return progress
+
+
+def check_room_for_checkpoint(out_dir: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to start when out_dir has no room for one more checkpoint (the model and the optimizer's
+    state, which SGD's momentum makes as large as the model): a run that cannot save would train until
+    its first checkpoint for nothing, and a restart after a full disk would do so again and again."""
+    tensors = list(model.state_dict().values()) + [p for p in model.parameters() if p.requires_grad]
+    need = sum(t.numel() * t.element_size() for t in tensors)
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
+                                                f"a checkpoint of about {need / 2**20:.1f} MiB "
+                                                f"({free / 2**20:.1f} MiB free)", out_dir))
+
+
+def training_state(model, *, optimizer, scaler, progress: Progress, config: dict, model_config: dict,
+                   fingerprints: dict, device: torch.device) -> dict:
+    """Everything a resume needs. A collective: every rank calls it, as it gathers their RNG states."""
+    rng_cpu = all_gather(torch.get_rng_state())
+    rng_cuda = all_gather(torch.cuda.get_rng_state(device)) if device.type == "cuda" else []
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "progress": asdict(progress), "config": config, "model_config": model_config, "data": fingerprints,
+            "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
+
+
+def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
+    """Write the new checkpoint in full to a temporary file, then shift the older ones down and
+    rename it into place. A crash at any point leaves the previous checkpoints loadable."""
+    paths = checkpoint_paths(out_dir, keep)
+    for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
+        if name.startswith(".checkpoint.") and name.endswith(".tmp"):
+            os.unlink(os.path.join(out_dir, name))
+
+    def shift_older():
+        for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
+            if os.path.exists(newer):
+                os.replace(newer, older)
+    _atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
+
+
+def describe_progress(progress) -> str:
+    """Where a checkpoint stands: "after epoch 2", or "at step 10 of epoch 3"."""
+    if progress.position:
+        return f"at step {progress.step} of epoch {progress.epoch + 1}"
+    return f"after epoch {progress.epoch}"
+
+
+# ---------------------------------------------------------- output on rank 0 and the run's records
+# One print for the whole job: the original script's lines, progress lines, and the run's files.
+
+def log(*args, **kwargs) -> None:
+    """print on rank 0 only, flushed, so logs are not multiplied by the world size. Rank 0 is known
+    before the process group exists (read_dist_env), so argparse's errors are said once too."""
+    if read_dist_env().is_main:
+        print(*args, **kwargs, flush=True)
+
+
+class ProgressLog:
+    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
+    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
+
+    def __init__(self, every: int):
+        self.is_main = read_dist_env().is_main
+        self.tty = self.is_main and sys.stdout.isatty()
+        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
+        self.shown = False
+
+    def due(self, step: int) -> bool:
+        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
+        return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
+
+    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        self.shown = True
+        eta = elapsed / max(step, 1) * (steps - step)
+        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
+                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
+        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
+        if self.due(step):
+            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
+
+    def clear(self) -> None:
+        if self.tty:
+            print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+def log_start(config: dict, env: DistEnv, notes: list) -> None:
+    """The original script's first two lines, then the config, the batch split and the LR, and any notes."""
+    unit = "GPUs" if env.device.type == "cuda" else "CPU processes"
+    log(f"Training started with {env.world_size} processes across {config['nodes']} nodes.")
+    log(f"Using {env.local_world_size} {unit} per node.")
+    log("Config: " + json.dumps(config))
+    accum = config["accumulation_steps"]
+    split = (f"{env.world_size} ranks x {accum} accumulation steps x {config['micro_batch_size']}" if accum > 1
+             else f"{env.world_size} ranks x {config['per_rank_batch']}")
+    log(f"Global batch {config['batch_size']} = {split}; LR {config['lr']:.4g} ({config['lr_scaling']} scaling of "
+        f"{config['base_lr']:g} from batch {config['reference_batch_size']})")
+    for note in notes:
+        log(f"note: {note}")
+
+
+def log_data(data, n_train: int, n_test: int) -> dict:
+    """One line on what the data say of themselves; returns it as the config stores it."""
+    log(f"Data: {n_train} training and {n_test} test images of {data.channels} x {data.height} x {data.width}, "
+        f"{data.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in data.mean)}, "
+        f"std {tuple(round(s, 4) for s in data.std)}")
+    return asdict(data)
+
+
+def log_epoch(metrics: dict, epochs: int, n_finite: float) -> None:
+    """The original script's four lines per epoch, and a warning if fp16's scaler skipped steps."""
+    log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
+    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+    log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
+    log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
+    if n_finite < metrics["train_samples"]:
+        log(f"warning: {int(metrics['train_samples'] - n_finite)} samples had a non-finite fp16 loss; "
+            f"the scaler skipped their steps")
+
+
+def epoch_metrics(epoch: int, progress, val: dict, lr: float) -> dict:
+    """The epoch's row of metrics.jsonl: the training loss and samples (all-reduced), the test
+    metrics, the LR of its last step, and its time."""
+    loss_sum, n_finite, count = progress.sums
+    return {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1), "train_samples": int(count), **val,
+            "lr": lr, "epoch_time_s": progress.elapsed_s, "images_per_s": count / progress.elapsed_s}
+
+
+class Records:
+    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends
+    every rank with one line): config.json, metrics.jsonl (a row per epoch, rewritten whole from the
+    checkpoint's history at each start and epoch, so it never holds a partial line or an epoch that
+    trains again), run.json, TensorBoard; at the end summary.json, and the original script's summary lines."""
+
+    def __init__(self, args, env: DistEnv, *, config: dict, ranks: list, history: list, lock):
+        self.args, self.env, self.config, self.ranks, self.lock = args, env, config, ranks, lock
+        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+        self.rows = [json.dumps(m) + "\n" for m in history]
+        self.record, self.tensorboard = run_record(config, ranks) if env.is_main else None, None
+
+        def write_start():
+            write_json(os.path.join(args.out_dir, "config.json"), config)
+            write_text(self.metrics_path, "".join(self.rows))
+            write_json(os.path.join(args.out_dir, "run.json"), self.record)
+            if args.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # optional; check_args made sure it imports
+                self.tensorboard = SummaryWriter(os.path.join(args.out_dir, "tensorboard"))
+        self._write(write_start, "the run's records (config.json, metrics.jsonl, run.json)")
+
+    def _write(self, write, what: str) -> None:
+        write_on_main(self.env, write, what=what, out_dir=self.args.out_dir, lock=self.lock)
+
+    def add_epoch(self, metrics: dict) -> None:
+        self.rows.append(json.dumps(metrics) + "\n")
+
+        def write_epoch():
+            write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
+            if self.tensorboard:
+                for key, value in metrics.items():
+                    self.tensorboard.add_scalar(key, value, metrics["epoch"])
+                self.tensorboard.flush()  # a preempted run keeps its curves too
+        self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
+
+    def finish(self, progress, n_train: int, n_test: int) -> None:
+        env, history, total_s = self.env, progress.history, progress.total_time_s
+        summary = {
+            "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
+            "images_per_s": progress.total_images / total_s if total_s else 0.0,
+            "gpus_per_node": env.local_world_size, "device": env.device.type,
+            "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
+            "finished": progress.stopped_early or progress.epoch >= self.args.epochs,
+            "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
+            "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
+            "config": self.config,
+        }
+
+        def write_end():
+            write_json(os.path.join(self.args.out_dir, "summary.json"), summary)
+            write_json(os.path.join(self.args.out_dir, "run.json"), {**self.record, "end_time": now_iso()})
+            if self.tensorboard:
+                self.tensorboard.close()
+        self._write(write_end, "the run's summary (summary.json, run.json)")
+        log("\nTraining Summary:")
+        log(f"Total training time: {total_s:.3f} seconds")
+        log(f"Throughput: {summary['images_per_s']:.3f} images/second")
+        unit = "GPUs" if env.device.type == "cuda" else "CPU processes"  # as the start lines say
+        log(f"Number of nodes: {summary['nodes']}")
+        log(f"Number of {unit} per node: {env.local_world_size}")
+        log(f"Total {unit} used: {env.world_size}")
+        log("Training completed successfully." if summary["finished"] else
+            f"Training paused after epoch {progress.epoch} of {self.args.epochs}; run again to resume.")
+
+
+def record_evaluation(metrics: dict, *, out_dir: str, epoch: int, env: DistEnv, path: str) -> None:
+    """--evaluate's two lines, and eval.json."""
+    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+    log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
+    record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
+    write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), what="eval.json",
+                  out_dir=out_dir, then="evaluate again")
+
+
+# =================================================================================================
+# Part 2: the machinery behind those calls
+# =================================================================================================
+
+
+# ------------------------------------------------------------------------------ launch and network
+# torchrun's, Slurm's or no launcher's environment, and why a rendezvous failed.
+
+def adopt_slurm_env() -> None:
+    """Translate an srun step's variables into torchrun's, so init_process_group("env://") works.
+    The master is the allocation's first node; the port is derived from the job id, so that two
+    jobs sharing a node do not collide."""
+    env = os.environ
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+    if "MASTER_ADDR" not in env:
+        import subprocess
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+            env["MASTER_ADDR"] = out[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def default_workers(env: DistEnv) -> int:
+    """DataLoader workers per rank for --workers -1: the rank's share of the CPUs it may use, at most
+    8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
+    cpus = len(os.sched_getaffinity(0))
+    return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
 
 
 def describe_init_failure(e: Exception, env: DistEnv, timeout_s: float) -> str | None:
@@ -189,23 +883,7 @@ def master_address() -> str | None:
         return None
 
 
-def gather_ranks(env: DistEnv) -> list:
-    """Every rank's host, its address on the way to the rendezvous, the rendezvous address as it
-    resolved here, and its device, indexed by rank: the node count, and run.json's record."""
-    master = master_address()
-    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
-                       "address": route_source(master) if master else None, "master_address": master,
-                       "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
-
-
-# ----------------------------------------------------------------------------- across ranks
-# Collectives, and errors every rank takes the same way, so none is left waiting for another.
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
+# ----------------------------------------------------------- collectives and failures across ranks
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
@@ -231,44 +909,6 @@ def agree_on_error(error: UserError | None) -> None:
         raise type(e)(f"{e} (on rank {rank})" if dist.is_initialized() and rank != 0 else str(e))
 
 
-def call_and_agree(fn, *args, here: bool = True):
-    """fn(*args) on this rank (if `here`), then agree_on_error: a UserError on any rank is raised on
-    every rank, and so is an OSError (a missing or unreadable file), named after fn. Returns fn's
-    result (None where it did not run)."""
-    result, error = None, None
-    if here:
-        try:
-            result = fn(*args)
-        except UserError as e:
-            error = e
-        except OSError as e:
-            error = UserError(f"{getattr(fn, '__name__', 'a call')} failed: {e}")
-    agree_on_error(error)
-    return result
-
-
-def write_on_main(env: "DistEnv", write, what: str, out_dir: str, lock=None,
-                  then: str = "run the same command to resume") -> None:
-    """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
-    whether it failed, and all raise the same error and leave together: without this, the others would
-    wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
-    this run still owns out_dir."""
-    error = None
-    if env.is_main:
-        try:
-            if lock is not None:
-                lock.check()
-            write()
-        except UserError as e:
-            error = e
-        except (OSError, RuntimeError) as e:
-            cause = os_error_of(e)
-            if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
-                raise
-            error = WriteError(describe_write_failure(cause, what, out_dir, then))
-    agree_on_error(error)
-
-
 def os_error_of(e: BaseException) -> OSError | None:
     """The OSError behind `e`: itself, or one in its chain (torch.save reports a failed write of its zip
     as RuntimeError "unexpected pos ..." raised while handling the OSError)."""
@@ -277,21 +917,6 @@ def os_error_of(e: BaseException) -> OSError | None:
             return e
         e = e.__cause__ or e.__context__
     return None
-
-
-def leave_on_user_error(e: UserError) -> int:
-    """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
-    soon as one exits and rank 0 must have said why first. Returns the exit status: 2, or 74 for a
-    failed write."""
-    if isinstance(e, RendezvousError):  # no process group: every rank says why, as rank 0 may still be waiting
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return e.exit_status
-    log(f"error: {e}", file=sys.stderr)
-    if dist.is_initialized():
-        dist.barrier()
-    elif not _is_main():
-        time.sleep(5)
-    return e.exit_status
 
 
 def _is_timeout(e: Exception) -> bool:
@@ -312,33 +937,10 @@ def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
     return None
 
 
-def run_cli(main, parser) -> int:
-    """Parse the command line and run main(args, explicit), minus the tracebacks a user should not have
-    to read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
-    or dead peer, said in one line on every rank instead of a wall of C++ frames."""
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
-    parser.error = lambda message: refuse_flags(parser, message)
-    args = parser.parse_args()
-    explicit = explicit_flags(parser, sys.argv[1:])
-    try:
-        return main(args, explicit)
-    except KeyboardInterrupt:
-        print(f"rank {os.environ.get('RANK', 0)}: interrupted before training started; nothing to save", file=sys.stderr, flush=True)
-        return 130
-    except RuntimeError as e:
-        if (why := describe_comm_failure(e, args.timeout)) is None:
-            raise
-        print(f"error: rank {os.environ.get('RANK', 0)}: {why}", file=sys.stderr, flush=True)  # RANK: set by main under srun
-        return 1
-
-
-# ----------------------------------------------------------------------------- arguments and the shape of a run
-# Bad input refused in one line; the batch split, the LR, and the config that records them.
-
 def refuse_flags(parser, message: str):
     """argparse's error, in this script's form: one `error:` line from rank 0 (every rank parses the
     same command line and leaves with it), exit status 2."""
-    if _is_main():
+    if read_dist_env().is_main:
         parser.print_usage(sys.stderr)
         print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -352,458 +954,8 @@ def explicit_flags(parser, argv) -> set:
     return set(vars(probe.parse_args(argv)))
 
 
-def check_args(args, world_size: int, device: torch.device) -> None:
-    """Reject bad input before any work, with one line that says what to change."""
-    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
-        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
-                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
-    if not 0.0 <= args.target_accuracy <= 1.0:
-        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    if args.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                            "(or pip install -e '.[tensorboard]')") from None
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
-                        f"(leave it out for no cap)")
-    if args.sync_bn and device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
-    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
-        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
-
-
-def resolve_amp(amp: str, device: torch.device):
-    """The autocast dtype, or None for full fp32."""
-    if amp == "auto":
-        if device.type != "cuda":
-            return None
-        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
-        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
-
-
-def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
-    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
-    `micro_batch` samples (None: no cap, one step)."""
-    if not micro_batch or micro_batch >= per_rank_batch:
-        return 1
-    return next(a for a in range(1, per_rank_batch + 1) if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
-
-
-def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
-    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
-    ratio = batch_size / reference_batch
-    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
-
-
-def lr_factor(start: float, end: float, epochs: int, warmup_epochs: float, schedule: str) -> float:
-    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
-    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
-    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
-    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
-    if start < warmup_epochs:
-        return min(1.0, end / warmup_epochs)
-    if schedule == "step":
-        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
-    progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
-def run_config(args, env: DistEnv, ranks: list, per_rank_batch: int, accum_steps: int, lr: float, amp_dtype) -> dict:
-    """Every flag, and what this run made of them: printed once, stored in every checkpoint and record."""
-    return {**vars(args), "world_size": env.world_size, "nodes": len({r["host"] for r in ranks}),
-            "per_rank_batch": per_rank_batch, "accumulation_steps": accum_steps,
-            "micro_batch_size": per_rank_batch // accum_steps, "lr": lr,
-            "num_workers": args.workers if args.workers >= 0 else default_workers(env),
-            "device_type": env.device.type, "amp_dtype": str(amp_dtype)}
-
-
-def data_device(args, device: torch.device, *splits):
-    """Where the loaders keep the data: the GPU (--loader gpu, the default on CUDA, for data held in
-    memory), or None for DataLoaders with CPU workers (--loader torch, and any Dataset)."""
-    in_memory = all(type(s).__name__ == "ImageData" for s in splits)  # a Dataset is read by the workers
-    if args.loader == "gpu" and not in_memory:
-        other = next(type(s).__name__ for s in splits if type(s).__name__ != "ImageData")
-        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data returned "
-                        f"a {other}: use --loader torch (or auto)")
-    return device if in_memory and (args.loader == "gpu" or (args.loader == "auto" and device.type == "cuda")) else None
-
-
-# ----------------------------------------------------------------------------- the model across ranks
-# The bare model under DDP and compile, DDP's no_sync, BatchNorm buffers, and seeding.
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The bare model under DDP and torch.compile, so saved keys carry no module./_orig_mod. prefix."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
-def to_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The model on its device; on CUDA in channels_last, the layout cuDNN's fastest convolutions want."""
-    return model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
-
-
-def no_sync(model, skip: bool):
-    """DDP's no_sync (no gradient all-reduce in this backward) if `skip`, through torch.compile's wrapper;
-    a no-op without DDP."""
-    ddp = getattr(model, "_orig_mod", model)
-    return ddp.no_sync() if skip and isinstance(ddp, DDP) else nullcontext()
-
-
-def restore_buffers(model: torch.nn.Module, kept: list | None) -> None:
-    """Put back copies taken of unwrap(model).buffers() (BatchNorm's running statistics), if any."""
-    for buffer, saved in zip(unwrap(model).buffers(), kept or []):
-        buffer.copy_(saved)
-
-
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm's running statistics) on every rank. In training each rank's
-    running statistics drift apart (each sees its own batches), and DDP only re-sends rank 0's at
-    the start of each training forward; evaluation uses the bare model, so it sends them here, on
-    every rank, whatever its test shard: every rank then evaluates the same model, and the one
-    rank 0 saves."""
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-
-
-def seed_everything(seed: int) -> None:
-    import random
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds every CUDA device too
-
-
-# ----------------------------------------------------------------------------- the training loop
-# What each step needs, the loss sums, and the agreed stops: signals, the stop file, a non-finite loss.
-
-@dataclass
-class RunContext:
-    """What train_one_epoch needs besides the model, the optimizer and the data; made once by train()."""
-    args: object                 # the flags
-    env: DistEnv                 # rank, world size, device
-    amp_dtype: object            # the autocast dtype, or None for fp32
-    peak_lr: float               # the LR scaled for the global batch, before warm-up and schedule
-    accum_steps: int             # micro-steps per optimizer step on each rank
-    n_train: int                 # training samples per epoch
-    stop: "StopRequest"          # signals and the stop file, agreed on by all ranks
-    progress_log: "ProgressLog"  # rank 0's progress lines
-    save_state: object           # writes a checkpoint; every rank calls it
-
-
-def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
-    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
-    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
-    finite = torch.isfinite(loss_sum)
-    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
-    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
-
-
-EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request with a checkpoint; run again (requeue) to resume
-
-
-STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
-
-
-class StopRequest:
-    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), by Ctrl-C
-    (SIGINT; a second one quits at once), or by the file named in $DDP_STOP_FILE (which the job
-    scripts create when their shell is signalled, as that reaches every rank on every node, in a
-    container too). Ranks agree in `check`."""
-
-    def __init__(self):
-        self.signal = None
-        self.stop_file = os.environ.get("DDP_STOP_FILE")
-        self.prev_sums = None  # the sums at the previous check (fp16's divergence test)
-        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signal == "SIGINT":
-            _say("\nSecond Ctrl-C: quitting now, without a checkpoint (the last one is intact).\n")
-            os._exit(130)
-        if signum == signal.SIGINT:
-            _say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to quit now.\n")
-        self.signal = signal.Signals(signum).name
-
-    def requested_here(self) -> bool:
-        if self.signal is None and self.stop_file and os.path.exists(self.stop_file):
-            self.signal = f"stop file {self.stop_file}"
-        return self.signal is not None
-
-    def check(self, device, sums, allow_nonfinite: bool) -> bool:
-        """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
-        non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
-        fp16 the grad scaler skips the odd overflowing step, so only divergence stops the run: a majority
-        of non-finite losses since the previous check."""
-        sums = torch.as_tensor(sums, dtype=torch.float64, device=device)
-        if allow_nonfinite:
-            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
-            prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
-            self.prev_sums = sums.clone()
-            finite, count = sums[1] - prev[1], sums[2] - prev[2]
-            diverged = finite < 0.5 * count
-        else:
-            diverged = sums[1] < sums[2]
-        flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
-                             diverged.to(device=device, dtype=torch.float32)])
-        stop, bad = all_reduce_max(flags).tolist()
-        if bad and allow_nonfinite:
-            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: training "
-                            "diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
-                            "--amp bf16, then run again to resume from the last checkpoint")
-        if bad:
-            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
-                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
-        return bool(stop)
-
-
-def stop_or_checkpoint_mid_epoch(run: RunContext, progress, sums: torch.Tensor, t0: float, allow_nonfinite: bool) -> bool:
-    """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
-    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
-    args, step = run.args, progress.step
-    checkpoint_due = args.checkpoint_every and step % args.checkpoint_every == 0
-    if step % STOP_CHECK_EVERY and not checkpoint_due:
-        return False
-    stopping = run.stop.check(run.env.device, sums, allow_nonfinite)  # all ranks agree
-    if stopping or checkpoint_due:
-        progress.elapsed_s = time.perf_counter() - t0
-        progress.sums = all_reduce_sum(sums.clone()).tolist()
-        run.save_state()
-    if stopping:
-        log(f"Stop requested ({run.stop.signal or 'on another rank'}) in epoch {progress.epoch + 1} after step {step}: "
-            f"checkpoint saved in {args.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
-    return stopping
-
-
-def after_epoch(progress, stop: StopRequest, stopping: bool, epoch: int, args) -> str | None:
-    """What follows a checkpointed epoch: "end" (early stopping, --stop-after-epoch: the summary comes
-    next), "exit" (a stop request: exit EXIT_STOPPED, to be resumed), or None (the next epoch)."""
-    if progress.stopped_early:
-        log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
-        return "end"
-    if stopping and epoch < args.epochs:
-        log(f"Stop requested ({stop.signal or 'on another rank'}) after epoch {epoch}: checkpoint saved; "
-            f"exiting with status {EXIT_STOPPED} to be resumed.")
-        return "exit"
-    if epoch == args.stop_after_epoch and epoch < args.epochs:
-        log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
-        return "end"
-    return None
-
-
-# ----------------------------------------------------------------------------- output on rank 0
-# One print for the whole job: the seed's lines, progress lines, and the run's files.
-
-def _is_main() -> bool:
-    """Rank 0 (or the only process), from RANK: torchrun sets it, and read_dist_env under srun alone."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _say(text: str) -> None:
-    """Rank 0 writes `text` to stderr from a signal handler (print is not safe there)."""
-    if _is_main():
-        os.write(2, text.encode())
-
-
-def log(*args, **kwargs) -> None:
-    """print on rank 0 only, flushed, so logs are not multiplied by the world size."""
-    if _is_main():
-        print(*args, **kwargs, flush=True)
-
-
-class ProgressLog:
-    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
-    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
-
-    def __init__(self, every: int):
-        self.tty = _is_main() and sys.stdout.isatty()
-        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
-        self.shown = False
-
-    def due(self, step: int) -> bool:
-        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
-        return _is_main() and self.every > 0 and (step % self.every == 0 or not self.shown)
-
-    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
-        self.shown = True
-        eta = elapsed / max(step, 1) * (steps - step)
-        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
-                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
-        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
-        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
-        if self.due(step):
-            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
-
-    def clear(self) -> None:
-        if self.tty:
-            print("\r" + " " * 100 + "\r", end="", flush=True)
-
-
-def log_start(config: dict, env: DistEnv, notes: list) -> None:
-    """The seed's first two lines, then the config, the batch split and the LR, and any notes."""
-    unit = "GPUs" if env.device.type == "cuda" else "CPU processes"
-    log(f"Training started with {env.world_size} processes across {config['nodes']} nodes.")
-    log(f"Using {env.local_world_size} {unit} per node.")
-    log("Config: " + json.dumps(config))
-    accum = config["accumulation_steps"]
-    split = (f"{env.world_size} ranks x {accum} accumulation steps x {config['micro_batch_size']}" if accum > 1
-             else f"{env.world_size} ranks x {config['per_rank_batch']}")
-    log(f"Global batch {config['batch_size']} = {split}; LR {config['lr']:.4g} ({config['lr_scaling']} scaling of "
-        f"{config['base_lr']:g} from batch {config['reference_batch_size']})")
-    for note in notes:
-        log(f"note: {note}")
-
-
-def log_data(data, n_train: int, n_test: int) -> dict:
-    """One line on what the data say of themselves; returns it as the config stores it."""
-    log(f"Data: {n_train} training and {n_test} test images of {data.channels} x {data.height} x {data.width}, "
-        f"{data.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in data.mean)}, "
-        f"std {tuple(round(s, 4) for s in data.std)}")
-    return asdict(data)
-
-
-def log_epoch(metrics: dict, epochs: int, n_finite: float) -> None:
-    """The seed's four lines per epoch, and a warning if fp16's scaler skipped steps."""
-    log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
-    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
-    log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
-    log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
-    if n_finite < metrics["train_samples"]:
-        log(f"warning: {int(metrics['train_samples'] - n_finite)} samples had a non-finite fp16 loss; "
-            f"the scaler skipped their steps")
-
-
-def epoch_metrics(epoch: int, progress, val: dict, lr: float) -> dict:
-    """The epoch's row of metrics.jsonl: the training loss and samples (all-reduced), the test
-    metrics, the LR of its last step, and its time."""
-    loss_sum, n_finite, count = progress.sums
-    return {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1), "train_samples": int(count), **val,
-            "lr": lr, "epoch_time_s": progress.elapsed_s, "images_per_s": count / progress.elapsed_s}
-
-
-class Records:
-    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends
-    every rank with one line): config.json, metrics.jsonl (a row per epoch, rewritten whole from the
-    checkpoint's history at each start and epoch, so it never holds a partial line or an epoch that
-    trains again), run.json, TensorBoard; at the end summary.json, and the seed's summary lines."""
-
-    def __init__(self, args, env: DistEnv, config: dict, ranks: list, history: list, lock):
-        self.args, self.env, self.config, self.ranks, self.lock = args, env, config, ranks, lock
-        self.metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-        self.rows = [json.dumps(m) + "\n" for m in history]
-        self.record, self.tensorboard = run_record(config, ranks) if env.is_main else None, None
-
-        def write_start():
-            write_json(os.path.join(args.out_dir, "config.json"), config)
-            write_text(self.metrics_path, "".join(self.rows))
-            write_json(os.path.join(args.out_dir, "run.json"), self.record)
-            if args.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter  # optional; check_args made sure it imports
-                self.tensorboard = SummaryWriter(os.path.join(args.out_dir, "tensorboard"))
-        self._write(write_start, "the run's records (config.json, metrics.jsonl, run.json)")
-
-    def _write(self, write, what: str) -> None:
-        write_on_main(self.env, write, what, self.args.out_dir, self.lock)
-
-    def add_epoch(self, metrics: dict) -> None:
-        self.rows.append(json.dumps(metrics) + "\n")
-
-        def write_epoch():
-            write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
-            if self.tensorboard:
-                for key, value in metrics.items():
-                    self.tensorboard.add_scalar(key, value, metrics["epoch"])
-                self.tensorboard.flush()  # a preempted run keeps its curves too
-        self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
-
-    def finish(self, progress, n_train: int, n_test: int) -> None:
-        env, history, total_s = self.env, progress.history, progress.total_time_s
-        summary = {
-            "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
-            "images_per_s": progress.total_images / total_s if total_s else 0.0,
-            "gpus_per_node": env.local_world_size, "device": env.device.type,
-            "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
-            "finished": progress.stopped_early or progress.epoch >= self.args.epochs,
-            "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
-            "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
-            "config": self.config,
-        }
-
-        def write_end():
-            write_json(os.path.join(self.args.out_dir, "summary.json"), summary)
-            write_json(os.path.join(self.args.out_dir, "run.json"), {**self.record, "end_time": now_iso()})
-            if self.tensorboard:
-                self.tensorboard.close()
-        self._write(write_end, "the run's summary (summary.json, run.json)")
-        log("\nTraining Summary:")
-        log(f"Total training time: {total_s:.3f} seconds")
-        log(f"Throughput: {summary['images_per_s']:.3f} images/second")
-        log(f"Number of nodes: {summary['nodes']}")
-        log(f"Number of GPUs per node: {env.local_world_size}")
-        log(f"Total GPUs used: {env.world_size}")
-        log("Training completed successfully." if summary["finished"] else
-            f"Training paused after epoch {progress.epoch} of {self.args.epochs}; run again to resume.")
-
-
-def record_evaluation(out_dir: str, metrics: dict, epoch: int, env: DistEnv, path: str) -> None:
-    """--evaluate's two lines, and eval.json."""
-    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
-    log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
-    record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
-    write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), "eval.json", out_dir,
-                  then="evaluate again")
-
-
-def run_record(config: dict, ranks: list) -> dict:
-    """What a run ran on, for run.json: code version, library versions, devices, hosts, Slurm."""
-    import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    cuda = torch.cuda.is_available()
-    return {
-        "config": config, "git_commit": commit, "git_dirty": dirty,
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-                     "cudnn": torch.backends.cudnn.version() if cuda else None},
-        "world_size": len(ranks), "ranks": ranks,
-        "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
-        "start_time": now_iso(), "end_time": None,
-    }
-
-
-def now_iso() -> str:
-    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-
-
-# ----------------------------------------------------------------------------- files
-# Atomic writes: a reader sees the old file or the new one, never half of one.
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
+# ---------------------------------------------- files: atomic writes, and what a failed write says
+# A reader sees the old file or the new one, never half of one.
 
 def write_json(path: str, obj) -> None:
     """Write JSON atomically: a temporary file in the same directory, then a rename."""
@@ -816,9 +968,9 @@ def write_text(path: str, text: str) -> None:
 
 def _atomic_write(path: str, write, before_replace=None) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -877,26 +1029,6 @@ def describe_intact(out_dir: str) -> str:
     return "no checkpoint was written yet"
 
 
-def describe_progress(progress) -> str:
-    """Where a checkpoint stands: "after epoch 2", or "at step 10 of epoch 3"."""
-    if progress.position:
-        return f"at step {progress.step} of epoch {progress.epoch + 1}"
-    return f"after epoch {progress.epoch}"
-
-
-def check_room_for_checkpoint(out_dir: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse to start when out_dir has no room for one more checkpoint (the model and the optimizer's
-    state, which SGD's momentum makes as large as the model): a run that cannot save would train until
-    its first checkpoint for nothing, and a restart after a full disk would do so again and again."""
-    tensors = list(model.state_dict().values()) + [p for p in model.parameters() if p.requires_grad]
-    need = sum(t.numel() * t.element_size() for t in tensors)
-    free = shutil.disk_usage(out_dir).free
-    if free < need:
-        raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
-                                                f"a checkpoint of about {need / 2**20:.1f} MiB "
-                                                f"({free / 2**20:.1f} MiB free)", out_dir))
-
-
 def check_writable(out_dir: str) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -908,22 +1040,6 @@ def check_writable(out_dir: str) -> None:
 
 # ----------------------------------------------------------------------------- one run per out-dir
 # Two runs must never write one checkpoint; a dead run must not lock out the next.
-
-def lock_out_dir(out_dir: str, env: DistEnv):
-    """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
-    UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
-    def check_and_acquire():
-        check_writable(out_dir)
-        try:
-            return OutDirLock(out_dir).acquire()
-        except OSError as e:  # it was writable a moment ago: a full disk or quota, most likely
-            raise WriteError(describe_write_failure(e, "the lock", out_dir)) from None
-
-    lock = call_and_agree(check_and_acquire, here=env.is_main)  # one agreement for both steps
-    if lock and lock.note:
-        log(f"note: {lock.note}")
-    return lock
-
 
 class OutDirLock:
     """The out-dir belongs to one run at a time: rank 0 holds `run.lock` while it trains.
@@ -1069,67 +1185,12 @@ def describe_owner(holder) -> str:
     return f"host {holder['host']}, pid {holder['pid']}{job}, since {holder.get('since', '?')}"
 
 
-# ----------------------------------------------------------------------------- checkpoints
-# Written whole or not at all, read back with a fallback, and continued only by a run that may.
-
-@dataclass
-class Progress:
-    """Where training stands. Saved in every checkpoint, so a run resumes mid-epoch exactly."""
-    epoch: int = 0              # epochs completed
-    position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
-    step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
-    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
-    elapsed_s: float = 0.0      # that epoch's training time so far
-    history: list = field(default_factory=list)  # one metrics dict per completed epoch
-    total_time_s: float = 0.0
-    total_images: int = 0
-    stopped_early: bool = False
-
-    def epochs_left(self, epochs: int) -> range:
-        """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
-        return range(self.epoch + 1, epochs + 1) if not self.stopped_early else range(0)
-
-    def finish_epoch(self, metrics: dict, patience: int, target_accuracy: float) -> None:
-        """Close a trained and evaluated epoch: keep its metrics, decide early stopping (from the
-        all-reduced accuracy, so every rank decides alike), and start the next at its beginning."""
-        self.history.append(metrics)
-        recent = [m["val_acc"] for m in self.history[-patience:]]
-        self.stopped_early = len(recent) == patience and min(recent) >= target_accuracy
-        self.epoch, self.position, self.step = metrics["epoch"], 0, 0
-        self.total_time_s += self.elapsed_s
-        self.total_images += int(self.sums[2])
-        self.sums, self.elapsed_s = [0.0] * 3, 0.0
-
+# ----------------------------- checkpoint internals: paths, loading, and what may change on resume
 
 def checkpoint_paths(out_dir: str, keep: int) -> list:
     """checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on."""
     return [os.path.join(out_dir, "checkpoint.pt")] + [
         os.path.join(out_dir, f"checkpoint.{i}.pt") for i in range(1, keep)]
-
-
-def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
-    """Write the new checkpoint in full to a temporary file, then shift the older ones down and
-    rename it into place. A crash at any point leaves the previous checkpoints loadable."""
-    paths = checkpoint_paths(out_dir, keep)
-    for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
-        if name.startswith(".checkpoint.") and name.endswith(".tmp"):
-            os.unlink(os.path.join(out_dir, name))
-
-    def shift_older():
-        for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
-            if os.path.exists(newer):
-                os.replace(newer, older)
-    _atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
-
-
-def training_state(model, optimizer, scaler, progress: Progress, config: dict, model_config: dict,
-                   fingerprints: dict, device: torch.device) -> dict:
-    """Everything a resume needs. A collective: every rank calls it, as it gathers their RNG states."""
-    rng_cpu = all_gather(torch.get_rng_state())
-    rng_cuda = all_gather(torch.cuda.get_rng_state(device)) if device.type == "cuda" else []
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
-            "progress": asdict(progress), "config": config, "model_config": model_config, "data": fingerprints,
-            "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
@@ -1164,24 +1225,30 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
     return None, None
 
 
-def find_checkpoint(args, explicit: set, env: DistEnv):
-    """The checkpoint this run continues (or --evaluate scores), its path, and notes on what this run
-    changes; (None, None, []) for a new run. Raises UserError on every rank if it cannot continue it
-    (the data and the model are checked once loaded: check_same_data, check_same_model)."""
-    found = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
-    ckpt, path = found or (None, None)
-    if args.evaluate and ckpt is None:
-        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
-    if ckpt is not None and "data_spec" not in ckpt["config"]:  # before the data described themselves
-        raise UserError(f"{path} was written by an older train_ddp.py, which did not record the data's shape and "
-                        f"statistics; evaluate it with that version, or train afresh in another --out-dir")
-    notes = call_and_agree(reconcile_with_checkpoint, args, explicit, ckpt)
-    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
-    return ckpt, path, notes
+# What this version reads from a checkpoint (training_state writes it all).
+CHECKPOINT_KEYS = ("model", "optimizer", "scaler", "progress", "config", "model_config", "data", "world_size",
+                   "rng_cpu", "rng_cuda")
+
+
+CHECKPOINT_CONFIG_KEYS = ("data_spec", "batch_size", "per_rank_batch", "accumulation_steps", "micro_batch",
+                          "micro_batch_size", "lr", "device_type")
+
+
+def check_checkpoint_format(ckpt, path: str) -> None:
+    """Raise UserError unless `ckpt` holds everything this version reads: an older train_ddp.py's checkpoint
+    is refused in one line, never half-read with guessed defaults."""
+    missing = [k for k in CHECKPOINT_KEYS if k not in ckpt]
+    missing += [f"config.{k}" for k in CHECKPOINT_CONFIG_KEYS if k not in ckpt.get("config", {})]
+    missing += [f"progress.{f.name}" for f in fields(Progress) if f.name not in ckpt.get("progress", {})]
+    if missing:
+        raise UserError(f"{path} was written by an older train_ddp.py (it lacks {', '.join(missing[:3])}); evaluate "
+                        f"or resume it with that version, or train afresh in another --out-dir")
 
 
 # What a checkpoint's run trained on: a run on other data must not continue it.
 DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
+
+
 # What --evaluate may take from the command line instead of the checkpoint.
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
                  "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
@@ -1201,9 +1268,9 @@ def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
         for key, value in saved.items():
             if hasattr(args, key) and key not in explicit and key not in ("evaluate", "out_dir"):
                 setattr(args, key, value)
-    elif "micro_batch" not in explicit and saved.get("micro_batch_size"):
+    elif "micro_batch" not in explicit:
         # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
-        args.micro_batch = saved.get("micro_batch") or saved["micro_batch_size"]
+        args.micro_batch = saved["micro_batch"] or saved["micro_batch_size"]
     model_flags = [k for k in ckpt["model_config"] if hasattr(args, k)]  # the flags build_model's shapes follow
     for key in DATA_FLAGS + tuple(model_flags):
         if key in saved and hasattr(args, key) and getattr(args, key) != saved[key]:
@@ -1220,38 +1287,6 @@ def reconcile_with_checkpoint(args, explicit: set, ckpt) -> list:
     return ["resumed with changes: " + ", ".join(changed)] if changed else []
 
 
-def check_same_data(ckpt, args, shape: dict, fingerprints: dict) -> None:
-    """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
-    (`shape`: DataSpec.shape() or dataset_utils.image_shape()), then the samples themselves (same flags,
-    other files)."""
-    if ckpt is None:
-        return
-    saved_shape = {k: ckpt["config"]["data_spec"][k] for k in shape}
-    if saved_shape != shape:
-        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {args.out_dir} was trained "
-                        f"on {describe_shape(saved_shape)}: use another --out-dir for a new run, or load the data "
-                        f"it trained on")
-    saved = ckpt["data"]
-    for split, fp in fingerprints.items():
-        if saved[split] != fp:
-            raise UserError(f"the {split} data in --data-dir {args.data_dir} differ from those the checkpoint in "
-                            f"{args.out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
-                            f"--data-dir at the same data, or use another --out-dir for a new run")
-
-
-def describe_shape(shape: dict) -> str:
-    classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
-    return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
-
-
-def check_same_model(ckpt, path: str, model_config: dict) -> None:
-    """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
-    if ckpt is not None and ckpt["model_config"] != model_config:
-        raise UserError(f"{path} holds {describe_model(ckpt['model_config'])}, but this run builds "
-                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same model, or "
-                        f"use another --out-dir")
-
-
 def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool) -> None:
     """Raise UserError if this run would continue `ckpt` on another device type."""
     trained_on = ckpt["config"]["device_type"] if ckpt is not None else device.type
@@ -1260,41 +1295,41 @@ def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool
                         f"--device {trained_on}, or train afresh in another --out-dir")
 
 
-def describe_model(cfg: dict) -> str:
-    """A model_config in words: its "name" (else its keys and values), and its classes."""
-    name = cfg.get("name") or ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "num_classes")
-    return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
+def describe_shape(shape: dict) -> str:
+    classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
+    return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
 
 
-def restore_checkpoint(ckpt, path: str, model, optimizer, scaler, args, env: DistEnv, config: dict) -> Progress:
-    """Load the checkpoint's state into this run's objects; say what changed. Returns its Progress, or a
-    new one (epoch 0) if there is no checkpoint."""
-    if ckpt is None:
-        return Progress()
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if ckpt["scaler"]:  # empty unless that run used fp16
-        scaler.load_state_dict(ckpt["scaler"])
-    saved = ckpt["config"]
-    state = dict(ckpt["progress"])
-    state.setdefault("position", state.get("step", 0) * saved["batch_size"])  # checkpoints that counted steps
-    progress = Progress(**state)
-    if saved["lr"] != config["lr"]:
-        log(f"note: the peak LR changed from {saved['lr']:.4g} to {config['lr']:.4g} on resume")
-    if saved["batch_size"] != args.batch_size:
-        log(f"note: the global batch changed from {saved['batch_size']} to {args.batch_size} on resume: the "
-            f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample "
-            f"{progress.position})")
-    if (saved.get("accumulation_steps", 1), saved.get("micro_batch_size")) != (
-            config["accumulation_steps"], config["micro_batch_size"]) and saved["world_size"] != env.world_size:
-        log(f"note: {saved['world_size']} ranks x {saved.get('accumulation_steps', 1)} accumulation steps x "
-            f"{saved.get('micro_batch_size', saved['per_rank_batch'])} before, {env.world_size} x "
-            f"{config['accumulation_steps']} x {config['micro_batch_size']} now: the same global batch")
-    progress.step = -(-progress.position // args.batch_size)
-    if ckpt["world_size"] == env.world_size:  # else the seed above serves as well as any
-        torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
-        if env.device.type == "cuda" and ckpt["rng_cuda"]:
-            torch.cuda.set_rng_state(ckpt["rng_cuda"][env.rank].cpu(), env.device)
-    log(f"Resumed from {path}: epoch {progress.epoch} of {args.epochs} done"
-        + (f", and {progress.position} samples ({progress.step} steps) of the next." if progress.position else "."))
-    return progress
+# ------------------------------------------------------------------------------- records internals
+
+def _say(text: str) -> None:
+    """log() from a signal handler, where print is not safe: rank 0 writes `text` to stderr."""
+    if read_dist_env().is_main:
+        os.write(2, text.encode())
+
+
+def run_record(config: dict, ranks: list) -> dict:
+    """What a run ran on, for run.json: code version, library versions, devices, hosts, Slurm."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    cuda = torch.cuda.is_available()
+    return {
+        "config": config, "git_commit": commit, "git_dirty": dirty,
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                     "cudnn": torch.backends.cudnn.version() if cuda else None},
+        "world_size": len(ranks), "ranks": ranks,
+        "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
+        "start_time": now_iso(), "end_time": None,
+    }
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")

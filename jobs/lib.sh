@@ -28,11 +28,12 @@ print_recipe() {
 }
 
 # The training recipe every job script runs, printed at the start of the log. train_ddp.py's own
-# defaults are the seed's 5-epoch smoke run; this is a full run: the WRN paper's WRN-16-8 recipe for
-# CIFAR-100 (Zagoruyko & Komodakis 2016, arXiv:1605.07146: SGD, LR 0.1 for a batch of 128, Nesterov
-# momentum 0.9, weight decay 5e-4, 200 epochs, LR x0.2 at epochs 60, 120 and 160), carried to a
-# global batch of 512 by the linear rule (LR 0.4), with a 5-epoch warm-up for the larger batch
-# (Goyal et al. 2017). The paper reports 79.6% top-1 for WRN-16-8 with this recipe at batch 128.
+# defaults are the original script's 5-epoch smoke run (the Olivia guide's train_ddp.py); this is a
+# full run: the WRN paper's WRN-16-8 recipe for CIFAR-100 (Zagoruyko & Komodakis 2016,
+# arXiv:1605.07146: SGD, LR 0.1 for a batch of 128, Nesterov momentum 0.9, weight decay 5e-4,
+# 200 epochs, LR x0.2 at epochs 60, 120 and 160), carried to a global batch of 512 by the linear
+# rule (LR 0.4), with a 5-epoch warm-up for the larger batch (Goyal et al. 2017). The paper
+# reports 79.6% top-1 for WRN-16-8 with this recipe at batch 128.
 # Arguments after the job script come later on the command line, so they override any of these:
 #   sbatch jobs/multigpu.sh --epochs 100 --batch-size 1024   (the LR follows the batch: 0.8)
 RECIPE=(--depth 16 --widen-factor 8 --dropout 0 --epochs 200 --batch-size 512
