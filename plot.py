@@ -2,6 +2,8 @@
 
     python plot.py runs/wrn runs/other --out runs/plots  # loss, accuracy and throughput per epoch
     python plot.py --scaling bench-results/*.json --out runs/plots  # img/s and efficiency against GPUs
+
+SIGTERM and Ctrl-C stop it at once: one line on stderr, exit status 128 + the signal's number (143, 130).
 """
 import argparse
 import json
@@ -101,4 +103,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from train_utils import catch_stop_signals
+    catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
     main()

@@ -6,7 +6,8 @@
 It launches like train_ddp.py and reports: which GPU each rank drives (unique per node), the
 backend and library versions, whether the data and the out-dir are usable on every node, the
 all-reduce bandwidth (with a warning when it looks like a socket fallback), and NCCL hints from
-the GPU topology. It exits 1 if a check fails, so a job script can stop before training.
+the GPU topology. It exits 1 if a check fails, so a job script can stop before training. SIGTERM and Ctrl-C stop it at
+once: one line on stderr, exit status 128 + the signal's number (143, 130).
 
     srun --ntasks-per-node=1 python preflight.py --network node1:29500    # what jobs/preflight.sh runs first
 
@@ -25,12 +26,13 @@ import subprocess
 import sys
 import time
 
+
 import torch
 import torch.distributed as dist
 
 import dataset_utils as du
-from train_utils import (UserError, all_gather, check_writable, host_name, init_distributed, log, pick_device,
-                         read_dist_env, route_source)
+from train_utils import (UserError, all_gather, catch_stop_signals, check_writable, host_name, init_distributed,
+                         log, pick_device, read_dist_env, route_source)
 
 
 def get_args_parser():
@@ -307,6 +309,7 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
+    catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
     try:
         sys.exit(main(get_args_parser().parse_args()))
     except UserError as e:

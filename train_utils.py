@@ -11,6 +11,7 @@ import: signal handlers are installed by the training loop (StopRequest) and rem
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import errno
@@ -313,7 +314,7 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     if start < warmup_epochs:
         return min(1.0, end / warmup_epochs)
     if schedule == "step":
-        return 0.2 ** sum(start >= m * epochs for m in (0.3, 0.6, 0.8))
+        return 0.2 ** sum(start >= m * epochs - 1e-9 for m in (0.3, 0.6, 0.8))  # 1e-9: 0.8 * 7 is 5.6000000000000005
     progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -1298,6 +1299,83 @@ def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool
 def describe_shape(shape: dict) -> str:
     classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
     return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
+
+
+# --------------------------------------------------------------- the tools' SIGTERM and Ctrl-C
+# bench.py, preflight.py and plot.py stop at once on SIGTERM (a timeout, scancel, torchrun) and Ctrl-C,
+# in one line. (train_ddp.py instead turns them into a checkpointed stop: StopRequest.)
+
+
+class StoppedBySignal(KeyboardInterrupt):
+    """SIGTERM (timeout, scancel, torchrun) or SIGINT (Ctrl-C), raised in the main thread."""
+
+
+_stop = {"signum": None, "lock": threading.Lock()}
+
+
+def catch_stop_signals(grace_s: float = 1.5) -> None:
+    """SIGTERM and SIGINT raise StoppedBySignal in the main thread at its next Python instruction; once it (or whatever
+    it became on the way out) leaves the script, sys.excepthook ends the process with one line and exit status
+    128 + signum (exit_stopped), after the `finally` blocks on the way (the process group, the DataLoader
+    workers). A thread woken by the signal itself (signal.set_wakeup_fd) ends it the same way after `grace_s`
+    if the main thread is held up, e.g. in a C call that waits for a peer which has already left. Forked
+    processes (DataLoader workers) get the default handling back."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def on_signal(signum, frame):
+        if _stop["signum"] is None:  # a second signal changes nothing: the thread below ends the process
+            _stop["signum"] = signum
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no DataLoader "worker killed" error on the way out
+            raise StoppedBySignal(signum)
+
+    def backstop():
+        while not (got := [s for s in os.read(read_fd, 64) if s in (signal.SIGTERM, signal.SIGINT)]):
+            pass
+        time.sleep(grace_s)
+        exit_stopped(got[0], flush=False)  # the main thread may hold stdout's lock
+
+    def in_child():
+        with contextlib.suppress(ValueError):  # raised if not the main thread
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def excepthook(kind, value, tb, default=sys.excepthook):
+        if _stop["signum"] is not None:
+            exit_stopped(_stop["signum"])
+        default(kind, value, tb)
+
+    def unraisable(info, default=sys.unraisablehook):  # a signal that lands in a __del__ is lost: the thread ends it
+        if not isinstance(info.exc_value, StoppedBySignal):
+            default(info)
+
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    sys.excepthook, sys.unraisablehook = excepthook, unraisable
+    os.register_at_fork(after_in_child=in_child)
+    threading.Thread(target=backstop, name="stop-backstop", daemon=True).start()
+
+
+def exit_stopped(signum: int, flush: bool = True) -> None:
+    """`script: [rank r: ]stopped by SIGTERM` on stderr, once, then exit 128 + signum at once."""
+    with _stop["lock"]:  # the main thread or the backstop, whichever comes first; the other waits here for the exit
+        for stream in (sys.stdout, sys.stderr) if flush else ():
+            with contextlib.suppress(Exception):
+                stream.flush()
+        env = read_dist_env()
+        rank = f"rank {env.rank}: " if env.world_size > 1 else ""
+        os.write(2, f"{os.path.basename(sys.argv[0])}: {rank}stopped by {signal.Signals(signum).name}\n".encode())
+        mp = sys.modules.get("multiprocessing")  # DataLoader workers still up would outlive this process by seconds
+        children = mp.active_children() if mp else []
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.terminate()
+        for child in children:  # gone before we are, so nothing of ours outlives the exit line
+            with contextlib.suppress(Exception):
+                child.join(timeout=1.0)
+        os._exit(128 + signum)
 
 
 # ------------------------------------------------------------------------------- records internals

@@ -1,4 +1,6 @@
-"""Shared helpers: launch the real entry point, and write CIFAR-100 archives in the exact python format."""
+"""The tests' library (imported as `from support import ...`; conftest.py puts tests/ on sys.path):
+launch the real entry points like a user, start them in the background and kill them, read their
+records, and write CIFAR-100 archives in the exact python format. Fixtures live in conftest.py."""
 import hashlib
 import json
 import os
@@ -11,23 +13,39 @@ import tarfile
 import time
 
 import numpy as np
-import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+SCRIPTS = os.path.join("tests", "scripts")  # the launched helper scripts, relative to ROOT
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # A tiny WideResNet (WRN-10-1, 84k parameters) keeps CPU runs in seconds.
 TINY = ["--depth", "10", "--widen-factor", "1", "--workers", "0", "--timeout", "120"]
 
+# The run the resume and fault tests stop, kill or corrupt (and conftest's `uninterrupted` runs whole):
+# 640 samples / 32 = 20 steps per epoch, a checkpoint every 4; dropout and a loader worker, so that
+# the RNG and loader states matter.
+CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 2,
+            "--dropout", 0.1, *TINY, "--workers", 1, "--checkpoint-every", 4]
 
-def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True):
-    """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python."""
+# The accumulation runs (conftest's `accumulation_run`): 4 virtual ranks of 16, so 5 steps of 64 and a
+# short one of 45 (micro-batches of 12, 11, 11, 11) per epoch; BatchNorm in train mode, no dropout.
+# Runs that differ only in float summation order (threads, all-reduce vs local accumulation) drift
+# apart chaotically at a high LR: at this one, on the learnable synthetic data, they stay within 2e-6
+# of each other over 12 steps (0.2 gives 7e-4), where keeping every micro-step's BatchNorm statistics
+# instead of micro-step 0's is 0.36 off (measured).
+ACCUM_N_TRAIN = 365
+ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-size", 50, "--batch-size", 64,
+             "--epochs", 2, "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
+
+
+def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True, cwd=ROOT):
+    """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python,
+    from `cwd` (the project directory unless told)."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -105,6 +123,16 @@ def load_model_state(out_dir):
     return torch.load(os.path.join(out_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
 
 
+def assert_same_weights(out_dir, reference):
+    """The run in out_dir ended where `reference` (a checkpoint) ended: the same epoch and position, and
+    the same weights bit for bit."""
+    got = load_model_state(out_dir)
+    assert got["progress"]["epoch"] == reference["progress"]["epoch"]
+    for k, v in reference["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["progress"]["position"] == reference["progress"]["position"]
+
+
 def assert_close_models(a, b, tol=2e-4):
     """Two checkpoints' models agree to float tolerance (BN's counters exactly)."""
     for k, v in a["model"].items():
@@ -114,23 +142,7 @@ def assert_close_models(a, b, tol=2e-4):
             assert torch.equal(v, b["model"][k]), k
 
 
-@pytest.fixture(scope="session")
-def learnable_dir(tmp_path_factory):
-    """An extracted CIFAR-100-format dataset that a tiny WRN can learn."""
-    d = tmp_path_factory.mktemp("learnable")
-    write_cifar100(str(d), 3000, 500, archive=False)
-    return str(d)
-
-
-STARTED = []
-
-
-@pytest.fixture(autouse=True)
-def kill_leftovers():
-    """A failed test must not leave torchrun and its ranks running into the next one."""
-    yield
-    while STARTED:
-        kill_all(STARTED.pop())
+STARTED = []  # processes start() launched: conftest's kill_leftovers ends them after each test
 
 
 def kill_all(proc):
@@ -171,22 +183,33 @@ def text(path):
         return f.read()
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 16 MiB tmpfs of the test's own: a filesystem that fills for real, with ENOSPC."""
-    mount_point = tmp_path / "fs"
-    mount_point.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'mount failed'}): the full-disk tests need root")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
-
-
 def fill(mount_point, leave: int):
     """Fill the filesystem but for `leave` bytes (rounded down to whole pages); returns the filler file."""
     filler = mount_point / "filler"
     with open(filler, "ab") as f:
         f.write(b"\0" * max(0, shutil.disk_usage(mount_point).free - leave))
     return filler
+
+
+def assert_one_line(output, *parts):
+    """The output holds exactly one `error: ` line (rank 0's), containing each part; no traceback of ours,
+    and no timeout or lost rank after it (the cause, not a hang); returns the line."""
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output  # from rank 0 alone
+    for part in parts:
+        assert part in errors[0], errors[0]
+    assert 'train_ddp.py", line' not in output and 'train_utils.py", line' not in output  # no traceback of ours
+    assert "timed out" not in output and "lost another rank" not in output  # the cause, not a hang after it
+    return errors[0]
+
+
+def require_package(name):
+    """Skip the test if `name` cannot be imported, with the way to install it; in CI (CI=true, as .ci/run
+    sets it) fail instead: the test extra installs it, so a skip there would hide a path CI must run."""
+    import importlib.util
+    if importlib.util.find_spec(name) is None:
+        hint = f"{name} is not installed: pip install -e '.[test]'"
+        if os.environ.get("CI") == "true":
+            raise AssertionError(hint)
+        import pytest
+        pytest.skip(hint)

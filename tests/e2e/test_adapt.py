@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dataset_utils as du
-from conftest import ROOT, TINY, launch, load_model_state, read_json, read_jsonl
+from support import ROOT, SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz" for split in ("train", "t10k") for kind, d in (("images", 3), ("labels", 1))]
@@ -215,7 +215,7 @@ def png_folder(tmp_path_factory):
 
 def test_image_folder_loader_yields_every_sample_once_per_epoch(tmp_path, png_folder):
     out = tmp_path / "record.json"
-    launch([png_folder, out, 32, 2, 1, "imagefolder"], nproc=2, script="tests/helpers/record_batches.py")
+    launch([png_folder, out, 32, 2, 1, "imagefolder"], nproc=2, script=f"{SCRIPTS}/record_batches.py")
     record = json.loads(out.read_text())
     for epoch in ("1", "2"):
         assert len({s["steps"] for s in record[epoch]}) == 1

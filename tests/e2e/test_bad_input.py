@@ -1,11 +1,14 @@
-"""Each bad input: one clear line naming the fix, a non-zero exit, no traceback, nothing overwritten."""
+"""Each bad input: one clear line naming the fix, a non-zero exit, no traceback, nothing overwritten:
+bad flags, a batch the world size does not divide, missing or corrupt data, an unwritable out-dir, and
+checkpoints that cannot be continued (corrupt, of another model, from another device type, from an
+older train_ddp.py)."""
 import hashlib
 import os
 
 import pytest
 import torch
 
-from conftest import TINY, launch, write_cifar100
+from support import ACCUM_RUN, TINY, launch, write_cifar100
 
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
 OFFLINE = {"CIFAR100_URL": "http://127.0.0.1:9/cifar-100-python.tar.gz"}  # refused at once, as offline
@@ -43,14 +46,14 @@ def assert_refused(proc, expected, torchrun=False):
     (["--target-accuracy", 85], "--target-accuracy is a fraction in [0, 1], got 85.0 (85% is 0.85)"),
     (["--target-accuracy", -0.1], "--target-accuracy is a fraction in [0, 1]"),
 ])
-def test_bad_arguments(finished_run, args, expected):
+def test_bad_arguments_are_refused_in_one_line(finished_run, args, expected):
     before = snapshot(finished_run)
     assert_refused(launch([*SMALL, "--out-dir", finished_run, *args], torchrun=False, check=False), expected)
     assert snapshot(finished_run) == before
 
 
 @pytest.mark.quick
-def test_batch_that_the_world_size_does_not_divide(finished_run):
+def test_batch_that_the_world_size_does_not_divide_is_refused_naming_one_that_does(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--batch-size", 63], nproc=2, check=False)
     assert_refused(proc, "--batch-size 63 must be a positive multiple of the world size 2; try --batch-size 64",
@@ -58,7 +61,7 @@ def test_batch_that_the_world_size_does_not_divide(finished_run):
     assert snapshot(finished_run) == before
 
 
-def test_missing_data_offline(tmp_path):
+def test_missing_data_offline_is_refused_naming_the_archive_to_place(tmp_path):
     data, out = tmp_path / "nodata", tmp_path / "run"
     proc = launch(["--data-dir", data, "--out-dir", out, *TINY], nproc=2, env=OFFLINE, check=False)
     assert_refused(proc, f"CIFAR-100 is not in {data} and downloading it failed", torchrun=True)
@@ -66,7 +69,7 @@ def test_missing_data_offline(tmp_path):
     assert os.listdir(data) == [] and os.listdir(out) == []
 
 
-def test_corrupt_archive(tmp_path):
+def test_corrupt_archive_is_refused_and_nothing_extracted(tmp_path):
     write_cifar100(str(tmp_path), 20, 10)  # its md5 is not the official one
     out = tmp_path / "run"
     proc = launch(["--data-dir", tmp_path, "--out-dir", out, *TINY], torchrun=False, env=OFFLINE, check=False)
@@ -74,7 +77,7 @@ def test_corrupt_archive(tmp_path):
     assert os.listdir(out) == [] and not (tmp_path / "cifar-100-python").exists()
 
 
-def test_mismatched_checkpoint(finished_run):
+def test_checkpoint_of_another_model_is_refused_under_torchrun(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
     assert_refused(proc, "--depth 16 differs from the 10 of the checkpoint in", torchrun=True)
@@ -82,7 +85,7 @@ def test_mismatched_checkpoint(finished_run):
     assert snapshot(finished_run) == before
 
 
-def test_unwritable_out_dir(tmp_path):
+def test_unwritable_out_dir_is_refused(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     proc = launch([*SMALL, "--out-dir", blocker / "run"], torchrun=False, check=False)
@@ -128,10 +131,11 @@ def test_checkpoint_of_an_older_version_is_refused_in_one_line(tmp_path, finishe
     assert snapshot(out) == before
 
 
-@pytest.mark.parametrize("first, then", [("off", "fp16"), ("fp16", "off")])
-def test_resume_with_another_precision(tmp_path, first, then):
-    """An fp16 run's grad-scaler state is absent from other runs' checkpoints, and unused by them."""
-    out = tmp_path / "run"
-    launch([*SMALL, "--epochs", 2, "--stop-after-epoch", 1, "--amp", first, "--out-dir", out], torchrun=False)
-    proc = launch([*SMALL, "--epochs", 2, "--amp", then, "--out-dir", out], torchrun=False)
-    assert "Resumed from" in proc.stdout and "Training completed successfully." in proc.stdout
+@pytest.mark.parametrize("flags,says", [
+    (["--micro-batch", 0], "--micro-batch is the most samples per forward on one rank, at least 1, got 0"),
+    (["--micro-batch", -8], "--micro-batch is the most samples per forward on one rank, at least 1, got -8"),
+    (["--sync-bn"], "--sync-bn needs CUDA GPUs"),
+])
+def test_bad_micro_batch_or_sync_bn_on_cpu_is_refused(tmp_path, flags, says):
+    proc = launch([*ACCUM_RUN, "--out-dir", tmp_path / "run", *flags], torchrun=False, check=False)
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr

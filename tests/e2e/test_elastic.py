@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, launch, load_model_state, read_jsonl,
+from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, launch, load_model_state, read_jsonl,
                       text, wait_for)
 
 # 2400 samples, global batch 60: 40 steps per epoch, a checkpoint every 5 of them. Epochs of a few

@@ -1,39 +1,157 @@
-"""Runs that cannot be fooled: evaluation with an empty shard, a checkpoint of other data, a resume
-with another batch size, two runs on one out-dir, Ctrl-C, and --evaluate with nothing but --out-dir.
-Each case first reproduced the wrong behaviour of an earlier version (a hang, a silent resume, a
-wrong schedule, two writers, a traceback, a download attempt)."""
-import json
+"""Resuming, all of it in one place: a resume is exact (at an epoch's end, and after a stop request
+mid-epoch); it keeps the global batch and the LR schedule on another world size, its place in samples
+with another batch size, the micro-batch and the trajectory on fewer ranks; it proceeds with a note
+when only how the run goes changed (and with another precision); and a run on other data or another
+model is refused, the checkpoint kept. (Resumes after faults: test_fault_tolerance.py; after Ctrl-C:
+test_ctrl_c.py; under elastic torchrun: test_elastic.py; of older or foreign checkpoints: test_bad_input.py.)"""
 import os
-import signal
-import socket
-import time
 
 import pytest
+import torch
 
-from conftest import TINY, kill_all, launch, load_model_state, read_json, read_jsonl, start, text, wait_for, write_cifar100
-from train_utils import OutDirLock, UserError
+from support import (ACCUM_RUN, CKPT_RUN, TINY, assert_close_models, assert_same_weights, launch, load_model_state, read_json, read_jsonl,
+                     start, text, wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
+SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
 
 
-def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_the_out_dir(tmp_path):
+# --------------------------------------------------------------------------- exact resumes
+
+@pytest.mark.quick
+def test_resume_is_exact(tmp_path, learnable_dir):
+    common = ["--data-dir", learnable_dir, "--train-size", 480, "--test-size", 100, "--epochs", 2,
+              "--batch-size", 64, "--base-lr", 0.4, "--dropout", 0.2, *TINY, "--workers", 1]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    launch([*common, "--out-dir", straight], nproc=2)
+    first = launch([*common, "--out-dir", resumed, "--stop-after-epoch", 1], nproc=2)
+    assert "Stopping after epoch 1" in first.stdout
+    assert read_json(resumed / "summary.json")["finished"] is False
+    second = launch([*common, "--out-dir", resumed], nproc=2)
+    assert "Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout and "Epoch 2/2" in second.stdout
+
+    a, b = load_model_state(straight), load_model_state(resumed)
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 2
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert a["progress"]["position"] == b["progress"]["position"] == 0
+    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [m["epoch"] for m in mb] == [1, 2]
+    timing = {"epoch_time_s", "images_per_s"}
+    for x, y in zip(ma, mb):
+        assert {k: v for k, v in x.items() if k not in timing} == {k: v for k, v in y.items() if k not in timing}
+    summary = read_json(resumed / "summary.json")
+    assert summary["finished"] is True and summary["epochs_completed"] == 2
+
+
+def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, uninterrupted):
+    """A stop request (the job scripts' stop file) in the middle of epoch 2: every rank stops at the next
+    check with a mid-epoch checkpoint, and the same command resumes there and ends with the weights of
+    the uninterrupted run, bit for bit."""
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    proc, log = start([*CKPT_RUN, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
+    wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
+    stop_file.touch()  # what the job scripts do when Slurm signals them; seen at the next check (step 4)
+    assert proc.wait(timeout=120) != 0  # the ranks exit 75; torchrun reports the failure
+    output = text(log)
+    assert "Stop requested (stop file" in output and "in epoch 2 after step" in output
+    assert "exiting with status 75" in output
+    progress = load_model_state(out)["progress"]
+    assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2, not at an end
+    stop_file.unlink()
+    second = launch([*CKPT_RUN, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
+    assert (f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done, and {progress['position']} samples "
+            f"({progress['step']} steps) of the next.") in second.stdout
+    assert_same_weights(out, uninterrupted)
+    assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
+    """Stopped in the middle of epoch 2 on 2 ranks, resumed on 3: the same global batch (48), the LR of
+    every epoch that of an uninterrupted 2-rank run, every epoch's samples each trained once, and the
+    run finishes. (The weights differ from the uninterrupted run's by float summation order only.)"""
+    run = [a if a != 32 else 48 for a in CKPT_RUN]  # 48 divides by 2 and by 3: 14 steps per epoch, the last of 16
+    reference, out, stop_file = tmp_path / "reference", tmp_path / "run", tmp_path / "stop"
+    launch([*run, "--out-dir", reference], nproc=2)
+    proc, log = start([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
+    wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
+    stop_file.touch()
+    assert proc.wait(timeout=120) != 0
+    assert "Global batch 48 = 2 ranks x 24" in text(log) and "Stop requested (stop file" in text(log)
+    before = load_model_state(out)
+    position = before["progress"]["position"]
+    assert before["progress"]["epoch"] == 1 and 0 < position < 640, before["progress"]  # mid-epoch 2
+    assert before["world_size"] == 2
+    stop_file.unlink()
+    second = launch([*run, "--out-dir", out], nproc=3)
+    assert "Global batch 48 = 3 ranks x 16" in second.stdout  # the same global batch, on 3 ranks
+    assert "note: 2 ranks x 1 accumulation steps x 24 before, 3 x 1 x 16 now: the same global batch" in second.stdout
+    assert f"epoch 1 of 2 done, and {position} samples" in second.stdout  # the epoch goes on where it stopped
+    after = load_model_state(out)
+    assert after["config"]["batch_size"] == 48 and after["config"]["world_size"] == 3 and after["world_size"] == 3
+    assert after["config"]["lr"] == before["config"]["lr"]  # the same peak LR
+    got, want = read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    assert [m["epoch"] for m in got] == [m["epoch"] for m in want] == [1, 2]
+    assert all(m["train_samples"] == 640 for m in got)  # each epoch's samples once, the resumed one's too
+    for g, w in zip(got, want):  # the LR of each epoch's last step: the schedule's place kept
+        assert g["lr"] == pytest.approx(w["lr"], rel=1e-9, abs=1e-12), (g["epoch"], g["lr"], w["lr"])
+    assert 0 < got[-1]["lr"] < got[0]["lr"]  # not a constant: the cosine's value near its end
+    summary = read_json(out / "summary.json")
+    assert summary["finished"] is True and summary["world_size"] == 3 and summary["epochs_completed"] == 2
+
+
+# --------------------------------------------------------------------------- resumes that change the run
+
+def test_resume_with_another_batch_size_keeps_its_place_in_samples(tmp_path):
+    """Stopped mid-epoch at batch 64, resumed at 32: the epoch still trains each of its 1280 samples
+    once, and the cosine schedule still ends at 0 at the end of the last epoch."""
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    run = [*TINY_SYNTH, "--train-size", 1280, "--test-size", 20, "--epochs", 2, "--workers", 0, "--out-dir", out]
+    stop_file.touch()  # seen at the first check, after step 10 of 20
+    first = launch([*run, "--batch-size", 64], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
+    assert first.returncode != 0 and "after step 10" in first.stdout
+    assert load_model_state(out)["progress"]["position"] == 640
+    stop_file.unlink()
+    second = launch([*run, "--batch-size", 32], nproc=2)
+    assert "note: the global batch changed from 64 to 32 on resume" in second.stdout
+    assert "epoch 1 of 2 done" not in second.stdout and "0 of 2 done, and 640 samples (20 steps)" in second.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["train_samples"] for m in metrics] == [1280, 1280]
+    peak = 0.01 * 32 / 512
+    assert metrics[-1]["lr"] < 0.01 * peak  # the last step of the last epoch: cosine near its end
+    assert metrics[0]["lr"] == pytest.approx(peak, rel=1e-6)  # epoch 1 ends the 1-epoch warm-up at the peak
+
+
+def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(accumulation_run, tmp_path):
+    """2 ranks x 16 stopped after epoch 1, resumed on 1 rank without --micro-batch: the checkpoint's
+    micro-batch is kept (2 accumulation steps of 16), and the run ends where the 2-rank run ends."""
     out = tmp_path / "run"
-    # 3 ranks, 2 test images: rank 2 scores nothing. A DDP forward in evaluation would wait for it forever.
-    run = [*TINY_SYNTH, "--train-size", 60, "--test-size", 2, "--batch-size", 6, "--epochs", 1, "--timeout", 60]
-    proc = launch([*run, "--out-dir", out], nproc=3, timeout=300)
-    assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == 2
-    # Nothing but --out-dir: the model (WRN-10-1, not the default 16-8) and the data (synthetic, not
-    # CIFAR-100) come from the checkpoint; its batch 6 need not divide by the 4 ranks to evaluate.
-    ev = launch(["--evaluate", "--out-dir", out, "--timeout", 60], nproc=4, timeout=300)
-    lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
-    assert lines[0].startswith(f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained)")
-    assert lines[1].startswith("Validation Loss:") and lines[2].startswith("Validation Top-5 Accuracy:")
-    assert len(lines) == 3, ev.stdout  # no training lines
-    result = read_json(out / "eval.json")
-    assert result["val_count"] == 2 and result["epoch"] == 1 and result["world_size"] == 4
-    assert result["val_acc"] == read_jsonl(out / "metrics.jsonl")[0]["val_acc"]
-    assert "Validation Accuracy: " in proc.stdout
+    launch([*ACCUM_RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
+    args = [a for a in ACCUM_RUN]
+    i = args.index("--micro-batch")
+    del args[i:i + 2]  # not given again: the checkpoint's micro-batch is kept
+    second = launch([*args, "--out-dir", out], nproc=1)
+    assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in second.stdout
+    assert "note: 2 ranks x 2 accumulation steps x 16 before, 1 x 4 x 16 now: the same global batch" in second.stdout
+    assert_close_models(load_model_state(accumulation_run(2)[0]), load_model_state(out))
 
+
+@pytest.mark.parametrize("first, then", [("off", "fp16"), ("fp16", "off")])
+def test_resume_with_another_precision(tmp_path, first, then):
+    """An fp16 run's grad-scaler state is absent from other runs' checkpoints, and unused by them."""
+    out = tmp_path / "run"
+    launch([*SMALL, "--epochs", 2, "--stop-after-epoch", 1, "--amp", first, "--out-dir", out], torchrun=False)
+    assert bool(load_model_state(out)["scaler"]) == (first == "fp16")  # the scaler's state: fp16's alone
+    proc = launch([*SMALL, "--epochs", 2, "--amp", then, "--out-dir", out], torchrun=False)
+    assert "Resumed from" in proc.stdout and "Training completed successfully." in proc.stdout
+    ckpt = load_model_state(out)
+    assert ckpt["config"]["amp"] == then and bool(ckpt["scaler"]) == (then == "fp16")
+    assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+# --------------------------------------------------------------------------- what a resume may change, and may not
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
@@ -55,7 +173,7 @@ def finished(tmp_path_factory):
     (["--depth", 16], "--depth 16 differs from the 10"),
     ("other data dir", "the train data in --data-dir"),
 ])
-def test_a_run_on_other_data_is_refused_and_the_checkpoint_kept(finished, change, says):
+def test_a_run_on_other_data_or_another_model_is_refused_and_the_checkpoint_kept(finished, change, says):
     base, out, common = finished
     before = (out / "checkpoint.pt").read_bytes()
     args = [*common, "--epochs", 2]
@@ -83,120 +201,3 @@ def test_a_run_that_changes_only_what_may_change_resumes(finished, tmp_path):
     assert "note: resumed with changes: --batch-size 40 -> 20, --epochs 1 -> 2, --base-lr 0.01 -> 0.02" in proc.stdout
     assert "Resumed from" in proc.stdout and "Epoch 2/2" in proc.stdout and "Epoch 1/2" not in proc.stdout
     assert [m["epoch"] for m in read_jsonl(copy / "metrics.jsonl")] == [1, 2]
-
-
-def test_resume_with_another_batch_size_keeps_its_place_in_samples(tmp_path):
-    """Stopped mid-epoch at batch 64, resumed at 32: the epoch still trains each of its 1280 samples
-    once, and the cosine schedule still ends at 0 at the end of the last epoch."""
-    out, stop_file = tmp_path / "run", tmp_path / "stop"
-    run = [*TINY_SYNTH, "--train-size", 1280, "--test-size", 20, "--epochs", 2, "--workers", 0, "--out-dir", out]
-    stop_file.touch()  # seen at the first check, after step 10 of 20
-    first = launch([*run, "--batch-size", 64], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
-    assert first.returncode != 0 and "after step 10" in first.stdout
-    assert load_model_state(out)["progress"]["position"] == 640
-    stop_file.unlink()
-    second = launch([*run, "--batch-size", 32], nproc=2)
-    assert "note: the global batch changed from 64 to 32 on resume" in second.stdout
-    assert "epoch 1 of 2 done" not in second.stdout and "0 of 2 done, and 640 samples (20 steps)" in second.stdout
-    metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["train_samples"] for m in metrics] == [1280, 1280]
-    peak = 0.01 * 32 / 512
-    assert metrics[-1]["lr"] < 0.01 * peak  # the last step of the last epoch: cosine near its end
-    assert metrics[0]["lr"] == pytest.approx(peak, rel=1e-6)  # epoch 1 ends the 1-epoch warm-up at the peak
-
-
-def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_killed_run_does_not_lock_the_next(tmp_path):
-    out = tmp_path / "run"
-    run = [*TINY_SYNTH, "--train-size", 4000, "--test-size", 20, "--batch-size", 16, "--epochs", 2,
-           "--workers", 0, "--out-dir", out, "--log-every", 10]
-    proc, log = start(run, nproc=2)
-    wait_for(lambda: "step 10/" in text(log), what="the first run to train")
-    owner = json.loads((out / "run.lock").read_text())
-    second = launch([*run, "--epochs", 3], torchrun=False, check=False, timeout=120)
-    assert second.returncode == 2
-    assert f"is in use by another run (host {socket.gethostname()}, pid {owner['pid']}" in second.stderr
-    assert "use another --out-dir" in second.stderr and "Resumed" not in second.stdout
-    kill_all(proc)  # kill -9 of torchrun and both ranks: no cleanup runs
-    assert (out / "run.lock").exists()
-    third = launch(run, nproc=2)
-    assert f"note: took over {out}/run.lock from host {socket.gethostname()}, pid {owner['pid']}" in third.stdout
-    assert f"its process {owner['pid']} is gone" in third.stdout
-    assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
-    assert not (out / "run.lock").exists()  # released at the end
-
-
-def write_lock(out_dir, host, age_s, **fields):
-    path = os.path.join(out_dir, OutDirLock.NAME)
-    with open(path, "w") as f:
-        json.dump({"host": host, "pid": 4242, "started": 1, "slurm_job": None, "torchrun": None,
-                   "token": "feedbeef", "since": "then", **fields}, f)
-    t = time.time() - age_s
-    os.utime(path, (t, t))
-
-
-@pytest.mark.parametrize("age_s,fields,env,outcome", [
-    (5, {}, {}, "refused"),  # alive on another node
-    (OutDirLock.STALE_S + 30, {}, {}, "no heartbeat for"),  # that node died
-    (5, {"slurm_job": "77"}, {"SLURM_JOB_ID": "77"}, "an earlier run of this Slurm job 77 (requeued)"),
-    (5, {"slurm_job": "77"}, {"SLURM_JOB_ID": "78"}, "refused"),  # the same job submitted twice
-    (5, {"torchrun": "rdzv-1"}, {"TORCHELASTIC_RUN_ID": "rdzv-1"}, "an earlier attempt of this torchrun job"),
-])
-def test_lock_held_on_another_node(tmp_path, monkeypatch, age_s, fields, env, outcome):
-    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    write_lock(tmp_path, "some-other-node", age_s, **fields)
-    if outcome == "refused":
-        with pytest.raises(UserError, match="is in use by another run .host some-other-node, pid 4242"):
-            OutDirLock(str(tmp_path)).acquire()
-        return
-    lock = OutDirLock(str(tmp_path)).acquire()
-    assert outcome in lock.note
-    lock.check()
-    write_lock(tmp_path, "a-third-node", 0)  # taken over by mistake: the owner notices before writing
-    with pytest.raises(UserError, match="another run took over"):
-        lock.check()
-    lock.release()
-    assert (tmp_path / OutDirLock.NAME).exists()  # not ours to remove
-
-
-def test_ctrl_c_checkpoints_and_a_second_one_quits_at_once(tmp_path):
-    run = [*TINY_SYNTH, "--train-size", 4000, "--test-size", 20, "--batch-size", 16, "--epochs", 1,
-           "--workers", 1, "--log-every", 10]
-    # A terminal's Ctrl-C: SIGINT to the whole foreground process group, loader workers included.
-    proc, log = start([*run, "--out-dir", tmp_path / "once"], torchrun=False)
-    wait_for(lambda: "step 10/" in text(log), what="training")
-    os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=60) == 75
-    out = text(log)
-    assert "Stop requested (SIGINT) in epoch 1 after step" in out and "Traceback" not in out
-    step = load_model_state(tmp_path / "once")["progress"]["step"]
-    assert step % 10 == 0 and step >= 20
-    resumed = launch([*run, "--out-dir", tmp_path / "once"], torchrun=False)
-    assert f"({step} steps) of the next" in resumed.stdout and "Training completed successfully." in resumed.stdout
-
-    slow = [a if a != 16 else 512 for a in run]  # steps of about a second, so the stop check is seconds away
-    proc, log = start([*slow, "--out-dir", tmp_path / "twice"], torchrun=False)
-    wait_for(lambda: "step 1/" in text(log), what="training")
-    os.killpg(proc.pid, signal.SIGINT)
-    wait_for(lambda: "Ctrl-C: stopping" in text(log), what="the first Ctrl-C")
-    os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=30) == 130
-    out = text(log)
-    assert "Second Ctrl-C: quitting now" in out and "Traceback" not in out and "Stop requested" not in out
-    assert not (tmp_path / "twice" / "checkpoint.pt").exists()
-
-
-def test_ctrl_c_under_torchrun_checkpoints_on_every_rank(tmp_path):
-    """torchrun's ranks run in sessions of their own: a Ctrl-C reaches torchrun, which forwards it."""
-    out = tmp_path / "run"
-    run = [*TINY_SYNTH, "--train-size", 4000, "--test-size", 20, "--batch-size", 16, "--epochs", 1,
-           "--workers", 0, "--log-every", 10, "--out-dir", out]
-    proc, log = start(run, nproc=2)
-    wait_for(lambda: "step 10/" in text(log), what="training")
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    assert "Stop requested (SIGINT) in epoch 1 after step" in text(log)
-    assert "train_ddp.py" not in "".join(ln for ln in text(log).splitlines() if ln.startswith("  File"))
-    assert load_model_state(out)["progress"]["step"] > 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, fill, job_recipe, launch, load_model_state, read_json, read_jsonl
+from support import ROOT, TINY, fill, job_recipe, launch, load_model_state, read_json, read_jsonl
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.

@@ -20,8 +20,8 @@ args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor"
 env = read_dist_env()
 init_distributed(env, timeout_s=60)
 data = du.load_split("synthetic", "", True, size=batch)
-loader, _ = du.build_loaders(data, data, batch, env.rank, env.world_size, 1, batch, seed=0,
-                             workers=0, pin_memory=False)
+loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
+                             eval_batch=batch, seed=0, workers=0, pin_memory=False)
 seed_everything(0)
 model = train_ddp.build_model(args, du.describe_data(data, data))
 for m in model.modules():
@@ -36,7 +36,10 @@ loader.batch_sampler.set_epoch(1)
 images, labels = next(iter(loader))
 assert len(labels) == batch // env.world_size, "one step of one global batch"
 sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
-train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None, [len(labels)], batch)
+step_samples, micro_sizes = loader.batch_sampler.step_split(0)
+assert micro_sizes == [len(labels)]
+train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
+                     amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples)
 if env.is_main:
     torch.save(unwrap(model).state_dict(), out)
 if env.world_size > 1:

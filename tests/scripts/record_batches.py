@@ -1,7 +1,7 @@
 """Launched by torchrun: record which training samples each rank's real loader yields, epoch by epoch.
 
 Usage: record_batches.py DATA_DIR OUT_JSON PER_RANK_BATCH EPOCHS WORKERS [imagefolder]
-The data come from conftest.index_images, whose pixels encode each sample's index; or, with
+The data come from support.index_images, whose pixels encode each sample's index; or, with
 `imagefolder`, from an ImageFolder under DATA_DIR/train read as a Dataset (the route for data larger
 than memory), whose items carry their index as their label.
 """
@@ -30,8 +30,9 @@ if image_folder:
     train = IndexedFolder(os.path.join(data_dir, "train"), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
 else:
     train = du.load_split("cifar100", data_dir, True)
-loader, _ = du.build_loaders(train, train, per_rank_batch * env.world_size, env.rank, env.world_size, 1,
-                             per_rank_batch, seed=0, workers=workers, pin_memory=False)
+loader, _ = du.build_loaders(train, train, batch_size=per_rank_batch * env.world_size, rank=env.rank,
+                             world_size=env.world_size, accum_steps=1, eval_batch=per_rank_batch, seed=0,
+                             workers=workers, pin_memory=False)
 record = {}
 for epoch in range(1, epochs + 1):
     loader.batch_sampler.set_epoch(epoch)  # as train_ddp.py does

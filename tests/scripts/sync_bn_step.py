@@ -31,8 +31,8 @@ torch.cuda.set_device(device)
 if env.world_size > 1:
     dist.init_process_group("gloo" if shared_gpu else "nccl")
 data = du.load_split("synthetic", "", True, size=batch)
-loader, _ = du.build_loaders(data, data, batch, env.rank, env.world_size, 1, batch, seed=0, workers=0,
-                             pin_memory=False, device=device)
+loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
+                             eval_batch=batch, seed=0, workers=0, pin_memory=False, device=device)
 seed_everything(0)
 model = train_ddp.build_model(args, du.describe_data(data, data))
 if sync_bn:
@@ -47,7 +47,8 @@ loader.batch_sampler.set_epoch(1)
 for step, (images, labels) in enumerate(loader):
     assert len(labels) == batch // env.world_size, "one step of one global batch"
     sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
-    train_ddp.train_step(model, images, labels, normalize, optimizer, scaler, sum_loss, None, [len(labels)], batch)
+    train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
+                         loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch)
     break
 if env.is_main:
     torch.save({k: v.cpu() for k, v in unwrap(model).state_dict().items()}, out)

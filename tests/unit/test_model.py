@@ -1,3 +1,4 @@
+"""model.WideResNet: the paper's parameter counts, depth 6n+4 only, and its structure and initialisation."""
 import pytest
 import torch
 
@@ -26,7 +27,7 @@ def test_depth_must_be_6n_plus_4(depth):
         WideResNet(depth, 1)
 
 
-def test_structure_and_init():
+def test_projections_only_where_the_shape_changes_and_the_paper_s_init():
     m = WideResNet(16, 2, num_classes=100, dropout=0.3)
     assert m(torch.randn(2, 3, 32, 32)).shape == (2, 100)
     blocks = list(m.blocks)

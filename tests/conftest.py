@@ -1,0 +1,69 @@
+"""pytest's fixtures and hooks, nothing else: the library the tests import is support.py. This file
+puts the repository root (train_ddp.py and its modules) and tests/ (support.py) on sys.path, so that
+`from support import ...` works from tests/unit/, tests/e2e/ and tests/gpu/ alike."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
+                     write_cifar100)
+
+
+@pytest.fixture(autouse=True)
+def kill_leftovers():
+    """A failed test must not leave torchrun and its ranks running into the next one."""
+    yield
+    while STARTED:
+        kill_all(STARTED.pop())
+
+
+@pytest.fixture(scope="session")
+def learnable_dir(tmp_path_factory):
+    """An extracted CIFAR-100-format dataset that a tiny WRN can learn."""
+    d = tmp_path_factory.mktemp("learnable")
+    write_cifar100(str(d), 3000, 500, archive=False)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """The checkpoint of an uninterrupted CKPT_RUN on 2 ranks: what every stopped, killed or corrupted
+    and then resumed run of it must end with, bit for bit (tests/e2e/test_resume.py, test_fault_tolerance.py)."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    launch([*CKPT_RUN, "--out-dir", out], nproc=2)
+    return load_model_state(out)
+
+
+@pytest.fixture(scope="session")
+def accumulation_run(tmp_path_factory):
+    """accumulation_run(ranks): the out-dir of an uninterrupted ACCUM_RUN on that many ranks (global
+    batch 64, micro-batches of 16: 4 ranks x 1, 2 x 2, 1 x 4 accumulation steps), and its output;
+    each run once per session (tests/e2e/test_accumulation.py, test_resume.py)."""
+    base, done = tmp_path_factory.mktemp("accum"), {}
+
+    def run(ranks):
+        if ranks not in done:
+            proc = launch([*ACCUM_RUN, "--out-dir", base / f"w{ranks}"], nproc=ranks)
+            done[ranks] = (base / f"w{ranks}", proc.stdout)
+        return done[ranks]
+    return run
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 16 MiB tmpfs of the test's own: a filesystem that fills for real, with ENOSPC."""
+    mount_point = tmp_path / "fs"
+    mount_point.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'mount failed'}): the full-disk tests need root")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)

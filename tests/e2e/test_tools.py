@@ -1,0 +1,93 @@
+"""The tools beside the recipe, run as users run them: bench.py (throughput, the step's phases, FLOPs,
+DDP's options, the CPU checks, and where its JSON lands by default), plot.py --scaling on its
+results, and preflight.py (every rank reported; a node without the data fails it)."""
+import os
+import re
+import subprocess
+
+import pytest
+
+from support import ROOT, launch, read_json, require_package
+
+
+def test_benchmark_runs_and_scaling_plot(tmp_path):
+    results = []
+    for n in (1, 2):
+        path = tmp_path / f"bench-{n}.json"
+        ddp_options = ["--static-graph", "--bucket-cap-mb", 1] if n == 2 else []
+        proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4, "--warmup", 2,
+                       "--device", "cpu", "--json", path, *ddp_options], nproc=n, script="bench.py")
+        assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
+        assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, exposed comm "
+                         + (r"[\d.]+ ms$" if n == 2 else r"n/a$"), proc.stdout, re.M)
+        assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
+        results.append(read_json(path))
+    assert [r["world_size"] for r in results] == [1, 2]
+    assert results[1]["config"]["static_graph"] and results[1]["config"]["bucket_cap_mb"] == 1
+    assert results[0]["ours"]["phases"]["exposed_comm_s"] is None  # one rank: no communication
+    assert results[1]["ours"]["phases"]["exposed_comm_s"] is not None
+    # WRN-10-1: 12.5M multiply-adds forward (2 FLOPs each), and the backward pass costs about twice that.
+    assert results[0]["ours"]["flops_per_image"] == pytest.approx(3 * 2 * 12.5e6, rel=0.05)
+    assert results[0]["ours"]["mfu"] is None  # no peak for CPUs
+    require_package("matplotlib")
+    import plot
+    fig = plot.plot_scaling([str(tmp_path / "bench-1.json"), str(tmp_path / "bench-2.json")], str(tmp_path))
+    ax, ax2 = fig["scaling.png"].axes
+    assert len(ax.get_lines()) == 2 and len(ax2.get_lines()) == 1  # measured, ideal; efficiency
+    assert list(ax.get_lines()[0].get_xdata()) == [1, 2]
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+
+
+def test_benchmark_cpu_checks_alone_runs_the_small_config_and_reports_both_checks(tmp_path):
+    """--cpu-checks without a model or batch: WRN-10-1 at batch 64 (not the recipe's WRN-16-8 at 512); the
+    augmentation comparison and the loop-overhead check, in the log and in the JSON."""
+    path = tmp_path / "cpu.json"
+    proc = launch(["--cpu-checks", "--rounds", 2, "--json", path], torchrun=False, script="bench.py")
+    assert re.search(r"^augmentation, 1 core: PIL per sample \d+ img/s, batched tensor ops \d+ img/s: [\d.]+x$",
+                     proc.stdout, re.M)
+    assert re.search(r"^loop overhead \(WRN-10-1, batch 64\): [\d.]+ ms/step vs bare [\d.]+ ms/step: -?[\d.]+%; "
+                     r"the data path alone [\d.]+ ms/step", proc.stdout, re.M)
+    result = read_json(path)
+    assert (result["config"]["depth"], result["config"]["widen_factor"], result["config"]["batch_size"]) == (10, 1, 64)
+    checks = result["cpu_checks"]
+    assert checks["augmentation"]["speedup"] > 0 and 0 < checks["loop_overhead"]["data_path_s"]
+    assert checks["loop_overhead"]["model"] == "WRN-10-1" and checks["loop_overhead"]["batch"] == 64
+    assert "ours" not in result  # the checks alone, not the GPU benchmark on a CPU
+
+
+def test_bench_writes_its_json_to_runs_bench_by_default_which_git_ignores(tmp_path):
+    """Without --json, bench.py writes runs/bench/bench-<device>-<world size>x.json under the directory
+    it runs in; in the project directory, git ignores that."""
+    proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 16, "--steps", 2, "--warmup", 1, "--device", "cpu"],
+                  torchrun=False, script="bench.py", cwd=tmp_path)
+    written = os.listdir(tmp_path / "runs" / "bench")
+    assert len(written) == 1 and re.fullmatch(r"bench-\w+-1x\.json", written[0]), written
+    result = read_json(tmp_path / "runs" / "bench" / written[0])
+    assert result["world_size"] == 1 and result["config"]["batch_size"] == 16
+    assert f"wrote {os.path.join('runs', 'bench', written[0])}" in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["runs"], proc.stdout  # nothing else, anywhere else here
+    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", f"runs/bench/{written[0]}"], capture_output=True,
+                             text=True)
+    if ignored.returncode != 128:  # 128: not a git checkout
+        assert ignored.stdout.split() == [f"runs/bench/{written[0]}"]
+
+
+def test_preflight_passes_and_reports_every_rank(tmp_path):
+    proc = launch(["--dataset", "synthetic", "--out-dir", tmp_path / "out", "--device", "cpu"], nproc=2,
+                  script="preflight.py")
+    out = proc.stdout
+    assert "backend gloo; torch" in out and "world size 2" in out
+    rows = re.findall(r"^ +(\d) +(\d) +\S+ +cpu .* ok$", out, re.M)
+    assert rows == [("0", "0"), ("1", "1")]
+    assert re.search(r"^all_reduce bus bandwidth: 1 MiB [\d.]+ GB/s, 4 MiB [\d.]+ GB/s, 16 MiB [\d.]+ GB/s$", out, re.M)
+    assert out.strip().endswith("preflight: all checks passed")
+
+
+def test_preflight_fails_when_a_node_lacks_the_data(tmp_path):
+    empty = tmp_path / "nodata"
+    empty.mkdir()
+    proc = launch(["--data-dir", empty, "--out-dir", tmp_path / "out", "--device", "cpu"], nproc=2,
+                  script="preflight.py", check=False)
+    assert proc.returncode == 1
+    assert "FAILED: rank 0 on" in proc.stderr and f"neither {empty}/cifar-100-python/ nor" in proc.stderr
+    assert "all checks passed" not in proc.stdout

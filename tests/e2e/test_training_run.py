@@ -1,0 +1,85 @@
+"""Whole training runs: a tiny WRN learns (far above chance) on 1 and 2 ranks and prints the original script's
+lines once, not once per rank; the README's one-minute CPU run learns; early stopping stops every
+rank at the same epoch; and a compiled DDP run saves a checkpoint the plain model loads."""
+import os
+import re
+
+import pytest
+
+from model import WideResNet
+from support import ROOT, TINY, launch, load_model_state, read_json, read_jsonl
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir, world_size):
+    out = tmp_path / "run"
+    proc = launch(["--data-dir", learnable_dir, "--out-dir", out, "--epochs", 4, "--batch-size", 64,
+                   "--base-lr", 0.4, "--target-accuracy", 1.0, *TINY], nproc=world_size)
+    log = proc.stdout
+    # The original script's lines, once per epoch, not once per rank.
+    for epoch in range(1, 5):
+        assert len(re.findall(rf"^Epoch {epoch}/4 completed in \d+\.\d{{3}} seconds$", log, re.M)) == 1
+    assert len(re.findall(r"^Validation Loss: \d+\.\d{4}, Validation Accuracy: 0\.\d{4}$", log, re.M)) == 4
+    assert len(re.findall(r"^Epoch Throughput: \d+\.\d{3} images/second$", log, re.M)) == 4
+    assert f"Training started with {world_size} processes across 1 nodes.\nUsing {world_size} CPU processes per node.\n" in log
+    assert "\nTraining Summary:\n" in log and log.count("Training completed successfully.") == 1
+    # The original script's summary lines, with the unit said as it is on CPU (GPUs on CUDA).
+    summary_lines = log.split("\nTraining Summary:\n", 1)[1].splitlines()
+    assert re.fullmatch(r"Total training time: \d+\.\d{3} seconds", summary_lines[0])
+    assert re.fullmatch(r"Throughput: \d+\.\d{3} images/second", summary_lines[1])
+    assert summary_lines[2:6] == ["Number of nodes: 1", f"Number of CPU processes per node: {world_size}",
+                                  f"Total CPU processes used: {world_size}", "Training completed successfully."]
+    assert "GPUs" not in log
+    assert f"Global batch 64 = {world_size} ranks x {64 // world_size}" in log
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
+    assert all(m["val_count"] == 500 for m in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == world_size and summary["nodes"] == 1 and summary["gpus_per_node"] == world_size
+    assert summary["epochs_completed"] == 4 and summary["stopped_early"] is False
+    assert summary["final_val_acc"] == metrics[-1]["val_acc"] >= 0.5, "chance is 0.01"
+    assert summary["best_val_acc"] == max(m["val_acc"] for m in metrics)
+    assert read_json(out / "config.json")["lr"] == pytest.approx(0.4 * 64 / 512)
+
+
+def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
+    """The README's first run on a laptop: its synthetic classes can be learned, so it ends far above
+    chance (1%), at 50% top-1 or more."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        command = next(line for line in f if line.startswith(".venv/bin/python train_ddp.py --dataset synthetic"))
+    args = command.split()[2:]
+    args[args.index("--out-dir") + 1] = str(tmp_path / "cpu-try")
+    proc = launch([*args, "--log-every", 0], torchrun=False)
+    accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] >= 0.5 and accuracies[0] < accuracies[-1], proc.stdout
+
+
+def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
+                   "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY], nproc=2)
+    assert proc.stdout.count("Target accuracy reached. Early stopping after epoch 2.") == 1
+    summary = read_json(out / "summary.json")
+    assert summary["stopped_early"] is True and summary["epochs_completed"] == 2 and summary["finished"] is True
+    # Resuming a finished run trains nothing more.
+    again = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
+                    "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY], nproc=2)
+    assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
+
+
+def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
+    out = tmp_path / "run"
+    # 200 images in batches of 64: a smaller last batch, in training and in evaluation.
+    common = ["--dataset", "synthetic", "--train-size", 200, "--test-size", 50, "--batch-size", 64, "--epochs", 1,
+              "--out-dir", out, *TINY]
+    trained = launch([*common, "--compile"], nproc=2)
+    assert "Training completed successfully." in trained.stdout
+    state = load_model_state(out)["model"]
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)  # unwrapped from compile and DDP
+    WideResNet(10, 1, 100).load_state_dict(state)
+    evaluated = launch([*common, "--evaluate"], nproc=1)  # no compile, another world size
+    acc = float(re.search(r"Validation Accuracy: ([\d.]+)", evaluated.stdout).group(1))
+    # The same weights; compiled and eager kernels may round differently, enough to flip one near-tie.
+    assert acc == pytest.approx(read_jsonl(out / "metrics.jsonl")[-1]["val_acc"], abs=1 / 50 + 1e-9)

@@ -1,0 +1,119 @@
+"""Which samples each rank trains on (dataset_utils.EpochSampler) and how a step splits into
+micro-batches (deal_step, step_split, train_utils.accumulation_steps): every sample once per epoch on
+any world size, accumulation and resume position, the sampler's keys agreeing with the sizes
+train_step splits by, and micro-batches that never exceed --micro-batch."""
+import itertools
+
+import pytest
+import torch
+
+from dataset_utils import EpochSampler, deal_step
+from train_utils import accumulation_steps
+
+
+def epoch_order(n, seed, epoch):
+    """The epoch's order, as the docstring of EpochSampler defines it: randperm(seed + epoch)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("first,second", [((2, 1, 48), (3, 1, 48)), ((3, 1, 48), (2, 1, 48)), ((4, 1, 48), (1, 1, 48)),
+                                          ((2, 1, 64), (2, 1, 32)), ((2, 2, 64), (1, 1, 24)), ((1, 4, 32), (3, 2, 96)),
+                                          ((2, 1, 2), (3, 1, 3))])
+def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epoch(first, second):
+    """(world size, accumulation steps, global batch) before and after a mid-epoch resume."""
+    n, done_steps = 601, 5
+    seen, position = [], done_steps * first[2]
+    for (ws, accum, batch), begin in ((first, 0), (second, position)):
+        shards, samplers = [], []
+        for rank in range(ws):
+            s = EpochSampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=3)
+            s.set_epoch(7, start=begin)
+            steps = list(s)
+            assert len(steps) == len(s)
+            shards.append(steps[:done_steps] if begin == 0 else steps)
+            samplers.append(s)
+            seen += [i for keys in shards[-1] for e, i in keys if e == 7]
+        assert len({len(sh) for sh in shards}) == 1, "every rank takes the same number of steps"
+        for k in range(len(shards[0])):  # the micro-batches train_step will split, the short last step's too
+            assert [len(sh[k]) for sh in shards] == [sum(s.step_split(begin + k * batch)[1]) for s in samplers]
+    # The first run's steps, then the rest of the epoch: every sample exactly once, nothing padded.
+    assert sorted(seen) == list(range(n))
+
+
+CASES = [(n, batch, ws, accum, start)
+         for n, batch, ws, accum in itertools.product((1, 7, 64, 129, 601), (4, 12, 48, 64), (1, 2, 3, 4), (1, 2, 4))
+         if batch % (ws * accum) == 0
+         for start in sorted({0, batch, 5 * batch, (n // batch) * batch}) if start < n]
+
+
+def test_the_sampler_s_keys_per_step_agree_with_step_split_for_every_shape_of_run():
+    """For each step, what rank r's sampler yields is exactly the micro-batches step_split (what
+    train_step splits its batch by) says, in size, and in content: the positions deal_step deals to
+    virtual ranks r, r + W, ... of that step of the epoch's order. Over all ranks a step is the epoch's
+    next `batch` samples (fewer in the last, short step); steps with a micro-batch left empty included."""
+    empty_seen = 0
+    assert len(CASES) > 300
+    for n, batch, ws, accum, start in CASES:
+        order = epoch_order(n, seed=11, epoch=4)
+        samplers = [EpochSampler(n, batch_size=batch, rank=r, world_size=ws, accum_steps=accum, seed=11)
+                    for r in range(ws)]
+        per_rank = []
+        for s in samplers:
+            s.set_epoch(4, start=start)
+            per_rank.append(list(s))
+        case = (n, batch, ws, accum, start)
+        assert len({len(steps) for steps in per_rank}) == 1 and len(per_rank[0]) == -(-(n - start) // batch), case
+        for k in range(len(per_rank[0])):
+            position = start + k * batch
+            step = order[position:position + batch]
+            dealt = []
+            for r, s in enumerate(samplers):
+                step_samples, micro_sizes = s.step_split(position)
+                assert step_samples == len(step), case
+                keys = per_rank[r][k]
+                assert len(keys) == sum(micro_sizes) and len(micro_sizes) == accum, case
+                assert all(e == 4 for e, _ in keys), case
+                want = [step[i] for micro in deal_step(step_samples, r, ws, accum) for i in micro]
+                assert [i for _, i in keys] == want, case
+                assert [len(m) for m in deal_step(step_samples, r, ws, accum)] == micro_sizes, case
+                empty_seen += micro_sizes.count(0)
+                dealt += want
+            assert sorted(dealt) == sorted(step), case  # the step's samples, each once, over all ranks
+    assert empty_seen > 0, "some cases must leave a rank (or a micro-step) nothing in the last step"
+
+
+def test_a_last_step_that_leaves_a_rank_nothing_still_yields_a_step_on_every_rank():
+    """577 samples in steps of 64 on 2 ranks: the last step holds 1 sample, so rank 1's share is empty,
+    but it still takes that step (and joins the gradient all-reduce with zero)."""
+    sizes = []
+    for rank in range(2):
+        s = EpochSampler(577, batch_size=64, rank=rank, world_size=2, seed=0)
+        s.set_epoch(1)
+        steps = list(s)
+        assert len(steps) == len(s) == 10
+        sizes.append([len(keys) for keys in steps])
+        assert s.step_split(576) == (1, [1 - rank])
+    assert sizes == [[32] * 9 + [1], [32] * 9 + [0]]
+
+
+@pytest.mark.parametrize("step_samples,ws,accum", [(64, 2, 2), (45, 4, 1), (45, 1, 4), (1, 2, 2), (0, 3, 1), (13, 3, 2)])
+def test_deal_step_splits_a_step_over_virtual_ranks_evenly_and_without_overlap(step_samples, ws, accum):
+    """Virtual rank r + k x W takes every (W x A)-th position from r + k x W: together they cover the step
+    once, and no two micro-batches differ by more than one sample."""
+    ranges = {(r, k): micro for r in range(ws) for k, micro in enumerate(deal_step(step_samples, r, ws, accum))}
+    positions = sorted(p for micro in ranges.values() for p in micro)
+    assert positions == list(range(step_samples))
+    sizes = [len(m) for m in ranges.values()]
+    assert max(sizes) - min(sizes) <= 1
+    for (r, k), micro in ranges.items():
+        assert list(micro) == list(range(r + k * ws, step_samples, ws * accum))
+
+
+@pytest.mark.parametrize("per_rank,micro,steps", [(32, 64, 1), (32, 32, 1), (32, 16, 2), (24, 10, 3), (24, 7, 4),
+                                                  (30, 4, 10), (7, 3, 7), (32, None, 1)])
+def test_accumulation_steps_are_the_fewest_that_split_the_rank_batch_into_equal_micro_batches(per_rank, micro, steps):
+    assert accumulation_steps(per_rank, micro) == steps
+    assert per_rank % steps == 0 and (micro is None or per_rank // steps <= micro)
+    # The fewest: no smaller count splits the rank's batch equally under the cap.
+    assert not any(per_rank % a == 0 and (micro is None or per_rank // a <= micro) for a in range(1, steps))

@@ -1,0 +1,81 @@
+"""train_utils.StopRequest: its SIGUSR1/SIGTERM/SIGINT handlers are installed only inside `with` and the
+previous ones restored after; a signal or the stop file inside is a stop request, named in `reason`;
+and check's policy on non-finite losses (any, without fp16's grad scaler; a majority since the last
+check, with it)."""
+import os
+import signal
+
+import pytest
+import torch
+
+from train_utils import StopRequest, UserError
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def test_handlers_are_installed_inside_with_and_the_previous_ones_restored_after():
+    def mine(signum, frame):
+        pass
+    before = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        signal.signal(signal.SIGUSR1, mine)  # a handler of the caller's own: it must come back
+        previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+        stop = StopRequest()
+        assert {sig: signal.getsignal(sig) for sig in SIGNALS} == previous  # creating one installs nothing
+        with stop as entered:
+            assert entered is stop
+            for sig in SIGNALS:
+                handler = signal.getsignal(sig)
+                assert handler != previous[sig] and getattr(handler, "__self__", None) is stop, sig
+        assert {sig: signal.getsignal(sig) for sig in SIGNALS} == previous
+        with pytest.raises(RuntimeError):  # restored on the way out of an exception too
+            with StopRequest():
+                raise RuntimeError
+        assert {sig: signal.getsignal(sig) for sig in SIGNALS} == previous
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_inside_is_a_stop_request_named_in_reason(sig, monkeypatch):
+    monkeypatch.delenv("DDP_STOP_FILE", raising=False)
+    before = signal.getsignal(sig)
+    with StopRequest() as stop:
+        assert not stop.requested_here() and stop.reason == "on another rank"  # nothing here: another rank's
+        os.kill(os.getpid(), sig)
+        assert stop.requested_here() and stop.reason == sig.name
+        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is True
+    assert signal.getsignal(sig) == before
+
+
+def test_the_stop_file_is_a_stop_request(tmp_path, monkeypatch):
+    stop_file = tmp_path / "stop"
+    monkeypatch.setenv("DDP_STOP_FILE", str(stop_file))
+    with StopRequest() as stop:
+        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is False
+        stop_file.touch()
+        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is True
+        assert stop.reason == f"stop file {stop_file}"
+
+
+def test_nonfinite_loss_policy():
+    """Without a grad scaler any non-finite loss stops the run; with fp16's scaler, which skips
+    those steps, only a majority of them since the previous check (divergence) does."""
+    cpu = torch.device("cpu")
+
+    def sums(bad_steps, steps):  # loss * n, finite n, n for `steps` steps of 32 samples
+        return torch.tensor([1.0, (steps - bad_steps) * 32, steps * 32], dtype=torch.float64)
+    assert StopRequest().check(cpu, sums(0, 10), False) is False
+    with pytest.raises(UserError, match="became NaN or infinite"):
+        StopRequest().check(cpu, sums(1, 10), False)
+    fp16 = StopRequest()
+    assert fp16.check(cpu, sums(4, 10), True) is False  # overflows the scaler skips
+    assert fp16.check(cpu, sums(8, 20), True) is False  # 4 of the last 10
+    with pytest.raises(UserError, match="most fp16 steps since the last check"):
+        fp16.check(cpu, sums(14, 30), True)  # 6 of the last 10, though 14 of all 30
+    fp16 = StopRequest()
+    fp16.check(cpu, sums(0, 90), True)
+    with pytest.raises(UserError, match="most fp16 steps"):
+        fp16.check(cpu, sums(10, 100), True)  # diverged: caught within 10 steps, not after half an epoch
+    assert fp16.check(cpu, sums(2, 10), True) is False  # a new epoch restarts the sums
