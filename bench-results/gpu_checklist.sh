@@ -110,7 +110,7 @@ ratio = f"{ours['images_per_s'] / orig['images_per_s']:.2f}x" if orig.get("image
 mfu = "n/a" if ours.get("mfu") is None else f"{ours['mfu'] * 100:.1f}%"
 mem = "n/a" if ours.get("peak_memory_gib") is None else f"{ours['peak_memory_gib']:.1f} GiB"
 print("\nStep benchmark:")
-print(f"| {date} | {where} | **{ours['images_per_s']:,.0f}** | {ours['step_s'] * 1e3:.1f} ms ({ours['data_s'] * 1e3:.2f} ms) "
+print(f"| {date} | {where} | **{ours['images_per_s']:,.0f}** | {ours['step_s'] * 1e3:.1f} ms ({ours.get('phases', ours)['data_s'] * 1e3:.2f} ms) "
       f"| {mfu} | {mem} | {orig.get('images_per_s', 0):,.0f} | **{ratio}** | {ours['augment_epoch_s'] * 1e3:.1f} ms | `{tag}.json` |")
 if nproc > 1:
     m = json.load(open(f"{tag}-{nproc}gpu.json"))["ours"]
