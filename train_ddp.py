@@ -31,8 +31,9 @@ from model import WideResNet, depth_arg, width_arg
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
-                                epilog="The defaults are the original script's 5-epoch smoke run; the full recipe (the WRN paper's "
-                                       "WRN-16-8, 200 epochs) is RECIPE in jobs/lib.sh, which the job scripts run.",
+                                epilog="The defaults are the original script's 5-epoch smoke run; the full recipe "
+                                       "(the WRN paper's WRN-16-8, 200 epochs) is RECIPE in jobs/lib.sh, which the job "
+                                       "scripts run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     # The original script's flags keep their meaning.
     p.add_argument("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
@@ -244,8 +245,8 @@ def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
     utils.call_and_agree(utils.check_room_for_checkpoint, args.out_dir, bare_model, optimizer, here=env.is_main)
     records = utils.Records(args, env, config=config, ranks=ranks, history=progress.history, lock=lock)
     with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
-        run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, accum_steps=accum_steps, n_train=len(train_data),
-                               stop=stop, progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
+        run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, n_train=len(train_data), stop=stop,
+                               progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
         for epoch in progress.epochs_left(args.epochs):
             if train_one_epoch(model, train_loader, optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
                                normalize=normalize, epoch=epoch, progress=progress, run=run):

@@ -389,7 +389,6 @@ class RunContext:
     env: DistEnv                 # rank, world size, device
     amp_dtype: object            # the autocast dtype, or None for fp32
     peak_lr: float               # the LR scaled for the global batch, before warm-up and schedule
-    accum_steps: int             # micro-steps per optimizer step on each rank
     n_train: int                 # training samples per epoch
     stop: "StopRequest"          # signals and the stop file, agreed on by all ranks
     progress_log: "ProgressLog"  # rank 0's progress lines
