@@ -166,13 +166,6 @@ def loader_steps(loader):
             yield images, labels, step_samples, micro_sizes
 
 
-def stop_check(sums: torch.Tensor) -> list:
-    """What the recipe's stop check does every STOP_CHECK_EVERY steps (StopRequest.check, without the signal
-    handlers StopRequest installs): one all-reduce of two flags, read on the host (a wait for the GPU)."""
-    flags = torch.stack([torch.zeros((), device=sums.device), (sums[1] < sums[2]).float()])
-    return utils.all_reduce_max(flags).tolist()
-
-
 class RecipeLoop:
     """train_one_epoch's loop body over a stream of steps: set the LR, train_ddp.train_step, add its loss sums
     to the epoch's, and every STOP_CHECK_EVERY steps the ranks' stop check. Left out: the progress line (a
@@ -186,6 +179,7 @@ class RecipeLoop:
                            amp_dtype=amp_dtype)
         self.sums = torch.zeros(3, dtype=torch.float64, device=device)
         self.step, self.marks, self.timer = 0, marks, timer
+        self.stop = utils.StopRequest()  # its check alone: outside a `with`, it installs no signal handlers
 
     def run(self, n: int) -> None:
         for _ in range(n):
@@ -197,7 +191,7 @@ class RecipeLoop:
                                               step_samples=step_samples, **self.kwargs)
             self.step += 1
             if self.step % utils.STOP_CHECK_EVERY == 0:
-                stop_check(self.sums)
+                self.stop.check(self.sums.device, self.sums, False)  # the ranks' all-reduce, read on the host
 
 
 class MarkedNormalize:
