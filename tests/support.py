@@ -1,6 +1,7 @@
 """The tests' library (imported as `from support import ...`; conftest.py puts tests/ on sys.path):
 launch the real entry points like a user, start them in the background and kill them, read their
 records, and write CIFAR-100 archives in the exact python format. Fixtures live in conftest.py."""
+import contextlib
 import hashlib
 import json
 import os
@@ -167,6 +168,21 @@ def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
     STARTED.append(proc)
     return proc, log
+
+
+@contextlib.contextmanager
+def paused(proc):
+    """A launcher started by start() and its ranks stopped (SIGSTOP) while the block runs: what the block
+    does (a stop file, a full disk) lands at a known point of training, however fast the machine is."""
+    pids = [proc.pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                        text=True).stdout.split()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(predicate, timeout=120, what="condition"):

@@ -6,9 +6,11 @@ different nodes meet only across the nodes' addresses, as on separate hosts; pla
 a GRES, so Slurm grants --gpus and sets SLURM_GPUS_ON_NODE; without CUDA the ranks train on CPU
 with gloo. It needs root (and network namespaces); elsewhere these tests are skipped.
 """
+import contextlib
 import datetime
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -71,6 +73,31 @@ def wait_job(job_id, log, timeout=600):
         time.sleep(1)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} did not finish in {timeout} s:\n{read(log)}")
+
+
+def wait_for_line(job_id, log, line, timeout=300):
+    """Wait until the job's log holds `line`; fail at once if the job ends first."""
+    deadline = time.time() + timeout
+    while line not in read(log):
+        assert time.time() < deadline and job_field(job_id, "JobState") in ("PENDING", "RUNNING"), read(log)
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def paused_training(out, log):
+    """The job's training processes (torchrun and its ranks, or srun's tasks: those with `out` on their
+    command line) stopped with SIGSTOP while the block runs, so that what it does lands before training
+    goes on, whatever the machine's speed."""
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"train_ddp.py .*{out}"], capture_output=True,
+                                           text=True).stdout.split()]
+    assert pids, read(log)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def read(path):
@@ -154,7 +181,8 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     while not (seen / "run" / "metrics.jsonl").exists() or len(read_jsonl(seen / "run" / "metrics.jsonl")) < 1:
         assert time.time() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING"), read(log)
         time.sleep(0.1)
-    fill(seen, 64 * 1024)  # during epoch 2: its checkpoint cannot be written
+    with paused_training(out, log):
+        fill(seen, 64 * 1024)  # during epoch 2: its checkpoint cannot be written
     filled = time.time()
     assert wait_job(job, log, timeout=300) == "FAILED", read(log)
     errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
@@ -171,13 +199,13 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slur
     train = [*TRAIN[:2], "--train-size", 1536, *TRAIN[4:], "--dropout", 0.1]
     out = tmp_path / "run"
     job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*train, "--out-dir", out])
-    deadline = time.time() + 300
-    while "Global batch" not in read(log):
-        assert time.time() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING"), read(log)
-        time.sleep(0.5)
-    time.sleep(2)
-    # Slurm's time-limit warning (--signal=B:USR1@180) or a preemption notice, sent by hand.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    wait_for_line(job, log, "Global batch")  # the ranks have met; training is about to start
+    # The signal must land before training ends, however fast this machine is: the training is paused
+    # until the job's shell has taken it.
+    with paused_training(out, log):
+        # Slurm's time-limit warning (--signal=B:USR1@180) or a preemption notice, sent by hand.
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+        wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop")
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text = read(log)
     assert "signal received: asking the ranks to checkpoint and stop" in text

@@ -15,32 +15,37 @@ import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
 from train_utils import init_distributed, read_dist_env, seed_everything, unwrap  # noqa: E402
 
-out, batch = sys.argv[1], int(sys.argv[2])
-args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
-env = read_dist_env()
-init_distributed(env, timeout_s=60)
-data = du.load_split("synthetic", "", True, size=batch)
-loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
-                             eval_batch=batch, seed=0, workers=0, pin_memory=False)
-seed_everything(0)
-model = train_ddp.build_model(args, du.describe_data(data, data))
-for m in model.modules():
-    if isinstance(m, torch.nn.BatchNorm2d):
-        m.eval()  # train_step leaves the mode to its caller
-if env.world_size > 1:
-    model = DDP(model)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
-scaler = torch.amp.GradScaler("cpu", enabled=False)
-normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
-loader.batch_sampler.set_epoch(1)
-images, labels = next(iter(loader))
-assert len(labels) == batch // env.world_size, "one step of one global batch"
-sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
-step_samples, micro_sizes = loader.batch_sampler.step_split(0)
-assert micro_sizes == [len(labels)]
-train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
-                     amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples)
-if env.is_main:
-    torch.save(unwrap(model).state_dict(), out)
-if env.world_size > 1:
-    torch.distributed.destroy_process_group()
+def step_and_save():
+    """The step; its DDP model lives only in here, so that it is gone before the process group is."""
+    out, batch = sys.argv[1], int(sys.argv[2])
+    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
+    env = read_dist_env()
+    init_distributed(env, timeout_s=60)
+    data = du.load_split("synthetic", "", True, size=batch)
+    loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
+                                 eval_batch=batch, seed=0, workers=0, pin_memory=False)
+    seed_everything(0)
+    model = train_ddp.build_model(args, du.describe_data(data, data))
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.eval()  # train_step leaves the mode to its caller
+    if env.world_size > 1:
+        model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
+    loader.batch_sampler.set_epoch(1)
+    images, labels = next(iter(loader))
+    assert len(labels) == batch // env.world_size, "one step of one global batch"
+    sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
+    step_samples, micro_sizes = loader.batch_sampler.step_split(0)
+    assert micro_sizes == [len(labels)]
+    train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
+                         amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples)
+    if env.is_main:
+        torch.save(unwrap(model).state_dict(), out)
+
+
+step_and_save()
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()  # after the DDP model is gone: else gloo may abort at exit

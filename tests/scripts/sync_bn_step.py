@@ -19,38 +19,43 @@ import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
 from train_utils import read_dist_env, seed_everything, unwrap  # noqa: E402
 
-out, batch, sync_bn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-torch.backends.cudnn.deterministic = True
-torch.backends.cudnn.allow_tf32 = False  # float32 throughout: tolerance then means float summation order
-torch.backends.cuda.matmul.allow_tf32 = False
-args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "2", "--dropout", "0"])
-env = read_dist_env()
-shared_gpu = env.world_size > torch.cuda.device_count()
-device = torch.device("cuda", 0 if shared_gpu else env.local_rank)
-torch.cuda.set_device(device)
-if env.world_size > 1:
-    dist.init_process_group("gloo" if shared_gpu else "nccl")
-data = du.load_split("synthetic", "", True, size=batch)
-loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
-                             eval_batch=batch, seed=0, workers=0, pin_memory=False, device=device)
-seed_everything(0)
-model = train_ddp.build_model(args, du.describe_data(data, data))
-if sync_bn:
-    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-model = model.to(device).train()
-if env.world_size > 1:
-    model = DDP(model, device_ids=[device])
-optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
-scaler = torch.amp.GradScaler("cuda", enabled=False)
-normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device)
-loader.batch_sampler.set_epoch(1)
-for step, (images, labels) in enumerate(loader):
-    assert len(labels) == batch // env.world_size, "one step of one global batch"
-    sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
-    train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
-                         loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch)
-    break
-if env.is_main:
-    torch.save({k: v.cpu() for k, v in unwrap(model).state_dict().items()}, out)
-if env.world_size > 1:
-    dist.destroy_process_group()
+def step_and_save():
+    """The step; its DDP model lives only in here, so that it is gone before the process group is."""
+    out, batch, sync_bn = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.allow_tf32 = False  # float32 throughout: tolerance then means float summation order
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "2", "--dropout", "0"])
+    env = read_dist_env()
+    shared_gpu = env.world_size > torch.cuda.device_count()
+    device = torch.device("cuda", 0 if shared_gpu else env.local_rank)
+    torch.cuda.set_device(device)
+    if env.world_size > 1:
+        dist.init_process_group("gloo" if shared_gpu else "nccl")
+    data = du.load_split("synthetic", "", True, size=batch)
+    loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
+                                 eval_batch=batch, seed=0, workers=0, pin_memory=False, device=device)
+    seed_everything(0)
+    model = train_ddp.build_model(args, du.describe_data(data, data))
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device).train()
+    if env.world_size > 1:
+        model = DDP(model, device_ids=[device])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device)
+    loader.batch_sampler.set_epoch(1)
+    for step, (images, labels) in enumerate(loader):
+        assert len(labels) == batch // env.world_size, "one step of one global batch"
+        sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
+        train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
+                             loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch)
+        break
+    if env.is_main:
+        torch.save({k: v.cpu() for k, v in unwrap(model).state_dict().items()}, out)
+
+
+step_and_save()
+if dist.is_initialized():
+    dist.destroy_process_group()  # after the DDP model is gone: else gloo may abort at exit
