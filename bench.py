@@ -1,23 +1,24 @@
-"""Benchmark the recipe's training step, launched like training (plain python or torchrun).
+"""Benchmark the recipe's training loop, launched like training (plain python or torchrun).
 
     torchrun --standalone --nproc_per_node=4 bench.py --compile --compare-original   # GPUs
     python bench.py --cpu-checks                                                      # CPU, about 2 minutes
 
-The headline (img/s global and per GPU, step time) times the recipe's own step: train_ddp.train_step
-in the loop train_one_epoch runs (the sampler's step_split, the loss sums, the ranks' stop check every
-10 steps), fed by the recipe's loader (dataset_utils.build_loaders), with its normalisation, a summing
-loss, DDP with gradient_as_bucket_view and, with --compile, torch.compile. A change to the step shows
-here. A second, separately instrumented run of the same step splits it into data, forward+backward,
-optimizer and exposed communication. Also: MFU against the device's dense bf16/fp16 tensor-core peak,
-peak memory, and the augmentation of a whole epoch; all of it, with the exact configuration, as JSON.
---compare-original times, on the same device in the same run, the original script's pipeline (the
-train_ddp.py of the "PyTorch on Olivia" guide: PIL transforms in DataLoader workers, fp16 autocast,
-no channels_last, no compile) and gives the ratio. GPU time is taken with CUDA events, CPU time with
-the wall clock, after warm-up steps.
+The headline (img/s global and per GPU, step time) times the recipe itself: train_ddp.train_one_epoch (the
+LR, train_ddp.train_step, the loss sums, the ranks' stop check every 10 steps) over an epoch of --steps steps
+after --warmup untimed ones, on what train_ddp.build_training makes from the recipe's own flags (this
+script's model, batch and data-path flags over its parser's defaults): the model, SGD, grad scaler, summing
+loss, loader and normalisation; in DDP with gradient_as_bucket_view and, with --compile, torch.compile, as
+train() wraps them. A change to the recipe shows here. A second, separately instrumented run of the same
+loop splits the step into data, forward+backward, optimizer and exposed communication. Also: MFU against
+the device's dense bf16/fp16 tensor-core peak, peak memory, and the augmentation of a whole epoch; all of
+it, with the exact configuration, as JSON. --compare-original times, on the same device in the same run, the
+original script's pipeline (the train_ddp.py of the "PyTorch on Olivia" guide: PIL transforms in DataLoader
+workers, fp16 autocast, no channels_last, no compile) and gives the ratio. GPU time is taken with CUDA
+events, CPU time with the wall clock, after warm-up steps.
 
 --cpu-checks needs no GPU and takes about two minutes on 2 cores: batched tensor augmentation against
-the PIL per-sample path, per core, and the training loop's overhead against a bare loop, step by step in
-interleaved rounds on one thread, timed in CPU time, with the spread and a decision against the 3%
+the PIL per-sample path, per core, and the recipe's loop (train_one_epoch) against a bare loop, step by
+step in interleaved rounds on one thread, timed in CPU time, with the spread and a decision against the 3%
 target (--profile adds where the extra time goes). It runs WRN-10-1 at batch 64 unless --depth,
 --widen-factor or --batch-size say otherwise.
 
@@ -26,6 +27,7 @@ SIGTERM (timeout, scancel, torchrun) and Ctrl-C stop it at once: one line on std
 """
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -35,7 +37,6 @@ import statistics
 import sys
 import time
 
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -44,8 +45,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
-from model import WideResNet
-from train_utils import UserError, log
+from machinery.errors import UserError, all_gather
+from machinery.files import write_json
+from machinery.output import log
+from machinery.signals import catch_stop_signals
+from model import depth_arg, width_arg
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
 PEAK_FLOPS = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
@@ -67,14 +71,15 @@ def get_args_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--batch-size", type=int, default=None,
                    help="global batch size (default: 512; 64 with --cpu-checks)")
-    p.add_argument("--depth", type=int, default=None, help="WideResNet depth (default: 16; 10 with --cpu-checks)")
-    p.add_argument("--widen-factor", type=int, default=None, help="WideResNet width (default: 8; 1 with --cpu-checks)")
+    p.add_argument("--depth", type=depth_arg, default=None, help="WRN depth, 6n+4 (default: 16; 10 with --cpu-checks)")
+    p.add_argument("--widen-factor", type=width_arg, default=None, help="WRN width (default: 8; 1 with --cpu-checks)")
     p.add_argument("--micro-batch", type=int, default=None, help="as in train_ddp.py: at most this many samples per "
                    "forward/backward on a rank, by gradient accumulation (default: no cap)")
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (compile, cuDNN autotuning)")
     p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="as in train_ddp.py")
-    p.add_argument("--loader", choices=["gpu", "torch"], default="gpu", help="our data path: on the device, or a DataLoader")
+    p.add_argument("--loader", choices=["gpu", "torch"], default="gpu",
+                   help="our data path: on the device, or a DataLoader")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size (DDP's default: 25)")
     p.add_argument("--static-graph", action="store_true", help="DDP static_graph=True (the same graph every step)")
@@ -152,164 +157,149 @@ def flops_per_image(model, device, amp_dtype, channels_last):
     return counter.get_total_flops() / 8
 
 
-# ----------------------------------------------------------------------------- the recipe's step, timed
+# ----------------------------------------------------------------------------- the recipe's loop, timed
 
-def loader_steps(loader):
-    """Endless steps from the recipe's training loader, epoch after epoch, as train_one_epoch walks them:
-    (images, labels, the step's samples, this rank's micro-batch sizes) from the sampler's step_split."""
-    for epoch in itertools.count(1):
-        loader.batch_sampler.set_epoch(epoch)
-        position = 0
-        for images, labels in loader:
-            step_samples, micro_sizes = loader.batch_sampler.step_split(position)
-            position += step_samples
-            yield images, labels, step_samples, micro_sizes
+def recipe_config(args, env, **flags) -> utils.RunConfig:
+    """The recipe's config (utils.make_config, a collective) from its own parser's defaults under this script's
+    model, batch and data-path flags, and `flags`; the flags checked as train_ddp.py checks them."""
+    recipe = train_ddp.get_args_parser().parse_args([])
+    mapped = ("depth", "widen_factor", "batch_size", "micro_batch", "amp", "loader", "workers", "device", "compile")
+    vars(recipe).update({"dataset": "synthetic", **{name: getattr(args, name) for name in mapped}, **flags})
+    utils.check_args(recipe, env.world_size, env.device)
+    return utils.make_config(recipe, env)
 
 
-class RecipeLoop:
-    """train_one_epoch's loop body over a stream of steps: set the LR, train_ddp.train_step, add its loss sums
-    to the epoch's, and every STOP_CHECK_EVERY steps the ranks' stop check. Left out: the progress line (a
-    loss read every --log-every steps, right after a stop check) and checkpoints. With `marks`, a timer mark
-    is appended before each step's batch is drawn (MarkedNormalize and MarkedScaler add the others)."""
+def wrap(model, args, env, compile_model: bool):
+    """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph."""
+    if env.distributed:
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph)
+    return torch.compile(model, dynamic=False) if compile_model else model
 
-    def __init__(self, model, steps, *, normalize, optimizer, scaler, loss_fn, amp_dtype, device, marks=None,
-                 timer=None, lr=0.01):
-        self.model, self.steps, self.optimizer, self.lr = model, steps, optimizer, lr
-        self.kwargs = dict(normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
-                           amp_dtype=amp_dtype)
-        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
-        self.step, self.marks, self.timer = 0, marks, timer
-        self.stop = utils.StopRequest()  # its check alone: outside a `with`, it installs no signal handlers
+
+class TrainSteps:
+    """N steps of the recipe's own loop, train_ddp.train_one_epoch, on `training`: each call of it enters an epoch
+    where no more steps are left than are still to run (as a resumed run enters it), and the step count runs on
+    from call to call (a stop check every STOP_CHECK_EVERY steps, as in one long run). Also the loop's
+    checkpoint, which saves nothing (cfg.checkpoint_every is 0)."""
+
+    def __init__(self, model, training, cfg, *, stop=None, progress_log=None):
+        self.model, self.training, self.cfg = model, training, cfg
+        self.per_epoch = training.train_loader.batch_sampler.num_samples // cfg.batch_size
+        self.stop = stop or utils.StopRequest()  # outside a `with`, it installs no signal handlers
+        self.progress_log = progress_log or utils.ProgressLog(0)  # 0: no progress lines
+        self.steps = self.epoch = 0
 
     def run(self, n: int) -> None:
-        for _ in range(n):
-            if self.marks is not None:
-                self.marks.append(self.timer.mark())
-            images, labels, step_samples, micro_sizes = next(self.steps)
-            utils.set_lr(self.optimizer, self.lr)
-            self.sums += train_ddp.train_step(self.model, images, labels, micro_sizes=micro_sizes,
-                                              step_samples=step_samples, **self.kwargs)
-            self.step += 1
-            if self.step % utils.STOP_CHECK_EVERY == 0:
-                self.stop.check(self.sums.device, self.sums, False)  # the ranks' all-reduce, read on the host
+        while n > 0:
+            k, self.epoch = min(n, self.per_epoch), self.epoch + 1
+            progress = utils.Progress(position=(self.per_epoch - k) * self.cfg.batch_size, step=self.steps)
+            if train_ddp.train_one_epoch(self.model, self.training, cfg=self.cfg, epoch=self.epoch, progress=progress,
+                                         stop=self.stop, checkpoint=self, progress_log=self.progress_log):
+                raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
+            self.steps, n = self.steps + k, n - k
+
+    def save(self, progress) -> None:
+        pass
 
 
-class MarkedNormalize:
-    """train_step's normalisation with a timer mark after it: where its data phase ends."""
+class Marked:
+    """`inner` (the Training's normalisation or scaler, the loop's stop check or progress log) with a timer mark,
+    named after the phase it ends, before or after each call of the methods named. Other attributes: inner's."""
 
-    def __init__(self, normalize, timer, marks):
-        self.inner, self.scale, self.timer, self.marks = normalize, normalize.scale, timer, marks
+    def __init__(self, inner, mark, *, before=(), after=()):
+        self.inner, self.mark, self.before, self.after = inner, mark, dict(before), dict(after)
 
-    def __call__(self, images):
-        out = self.inner(images)
-        self.marks.append(self.timer.mark())
-        return out
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+        if name not in self.before and name not in self.after:
+            return method
 
+        def marked(*args, **kwargs):
+            self.mark(self.before.get(name))
+            out = method(*args, **kwargs)
+            self.mark(self.after.get(name))
+            return out
+        return marked
 
-class MarkedScaler:
-    """train_step's grad scaler with timer marks before its step (forward and backward done) and after its
-    update (the optimizer step done)."""
-
-    def __init__(self, scaler, timer, marks):
-        self.inner, self.timer, self.marks = scaler, timer, marks
-
-    def scale(self, loss):
-        return self.inner.scale(loss)
-
-    def step(self, optimizer):
-        self.marks.append(self.timer.mark())
-        return self.inner.step(optimizer)
-
-    def update(self):
-        self.inner.update()
-        self.marks.append(self.timer.mark())
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("__call__")(*args, **kwargs)
 
 
-def time_recipe(loop: RecipeLoop, timer: Timer, steps: int, warmup: int) -> float:
-    """Seconds per step of `loop`, after `warmup` untimed steps."""
+def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
+    """The recipe's loop, run separately with timer marks between the phases of each step: data (from the end of
+    the previous step: the LR, the loader's batch, the step split, the copy and normalisation), forward+backward
+    (all micro-batches, the loss sums), optimizer (the scaler's step and update). Left out: the stop check every
+    STOP_CHECK_EVERY steps, and an epoch's start and end (the data phase of an epoch's first step)."""
+    timer, marks = Timer(training.normalize.scale.device), []
+
+    def mark(what):  # what: the phase that ends here, or None
+        if what:
+            marks.append((what, timer.mark()))
+    marked = dataclasses.replace(training, normalize=Marked(training.normalize, mark, after={"__call__": "data"}),
+                                 scaler=Marked(training.scaler, mark, before={"step": "fwd_bwd"},
+                                               after={"update": "optimizer"}))
+    loop = TrainSteps(model, marked, cfg, stop=Marked(utils.StopRequest(), mark, after={"check": "stop check"}),
+                      progress_log=Marked(utils.ProgressLog(0), mark, after={"update": "step", "clear": "epoch"}))
     loop.run(warmup)
-    start = timer.mark()
+    marks.clear()
     loop.run(steps)
-    return timer.seconds(start, timer.mark()) / steps
+    phases = {"data": [], "fwd_bwd": [], "optimizer": []}
+    for (before, a), (what, b) in zip(marks, marks[1:]):
+        if what in phases and (what != "data" or before in ("step", "stop check")):
+            phases[what].append(timer.seconds(a, b))
+    return {f"{name}_s": statistics.mean(s) if s else None for name, s in phases.items()}
 
 
-def time_phases(model, loader, normalize, optimizer, scaler, loss_fn, amp_dtype, device, steps, warmup) -> dict:
-    """The same recipe step, run separately with timer marks between its phases: data (the loader's batch,
-    the step split, the copy and normalisation), forward+backward (all micro-batches, the loss sums), optimizer
-    (the scaler's step and update). Their sum leaves out the stop check every STOP_CHECK_EVERY steps."""
-    timer, marks = Timer(device), []
-    with contextlib.closing(loader_steps(loader)) as stream:
-        loop = RecipeLoop(model, stream, normalize=MarkedNormalize(normalize, timer, marks), optimizer=optimizer,
-                          scaler=MarkedScaler(scaler, timer, marks), loss_fn=loss_fn, amp_dtype=amp_dtype,
-                          device=device, marks=marks, timer=timer)
-        loop.run(warmup + steps)
-    per_step = [marks[i:i + 4] for i in range(4 * warmup, len(marks), 4)]
-    phases = [statistics.mean(timer.seconds(m[k], m[k + 1]) for m in per_step) for k in range(3)]
-    return dict(zip(("data_s", "fwd_bwd_s", "optimizer_s"), phases))
-
-
-def build(args, env, device, channels_last, compile_model, fused):
-    """The model as the recipe builds it (to_device: channels_last on CUDA), its SGD, and the DDP wrapping and
-    compile of train(). Returns (bare model, model to train, optimizer)."""
-    torch.manual_seed(0)
-    model = WideResNet(args.depth, args.widen_factor, du.CIFAR100_CLASSES)
-    model = utils.to_device(model, device) if channels_last else model.to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=fused)
-    ddp = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-              bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph) if dist.is_initialized() else model
-    return model, (torch.compile(ddp, dynamic=False) if compile_model else ddp), optimizer
-
-
-def bench_ours(args, env, device, amp_dtype, data):
-    per_rank = args.batch_size // env.world_size
-    cuda = device.type == "cuda"
-    if args.batch_size < 1 or args.batch_size % env.world_size:
-        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size {env.world_size}")
-    accum = utils.accumulation_steps(per_rank, args.micro_batch)
-    bare, model, optimizer = build(args, env, device, channels_last=cuda, compile_model=args.compile, fused=cuda)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")  # the recipe's: train_step divides by the step's samples
-    # A whole number of steps per epoch, so that every timed step is a full one (and compile sees one shape).
-    n = len(data.labels) // args.batch_size * args.batch_size
+def bench_data(args, cfg, env, data: du.ImageData) -> du.CheckedData:
+    """The data as build_training takes them: --steps whole steps of training images (one timed epoch; fewer if
+    `data` holds fewer; whole, so that compile sees one shape), and test images (unused), measured."""
+    n = min(args.steps, len(data) // args.batch_size) * args.batch_size
     if n == 0:
-        raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data.labels)} training images")
-    train = du.ImageData(data.images[:n], data.labels[:n])
-    test = du.ImageData(data.images[:10_000], data.labels[:10_000])  # CIFAR-100's test set size
-    loader, _ = du.build_loaders(train, test, batch_size=args.batch_size, rank=env.rank, world_size=env.world_size,
-                                 accum_steps=accum, eval_batch=per_rank, seed=0, workers=args.workers, pin_memory=cuda,
-                                 device=device if args.loader == "gpu" else None)
-    normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device, channels_last=cuda)
-    log(f"timing the recipe's step: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size} over "
+        raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} training images")
+    train, test = (dataclasses.replace(data, images=data.images[:k], labels=data.labels[:k]) for k in (n, 10_000))
+    return du.CheckedData(train, test, du.measure_data(train, test), {}, du.data_device(cfg.loader, env.device,
+                                                                                        train, test))
+
+
+def bench_ours(args, env, cfg, checked: du.CheckedData, data: du.ImageData) -> dict:
+    device, accum, cuda = env.device, cfg.accumulation_steps, env.device.type == "cuda"
+    training = train_ddp.build_training(cfg, env, checked)
+    model = wrap(training.model, args, env, args.compile)
+    log(f"timing the recipe's step: WRN-{cfg.depth}-{cfg.widen_factor}, batch {cfg.batch_size} over "
         f"{env.world_size} {device.type} process(es){f' in {accum} micro-batches' if accum > 1 else ''}, "
         f"{args.steps} steps after {args.warmup} warm-up")
-    timer = Timer(device)
-    with contextlib.closing(loader_steps(loader)) as stream:
-        loop = RecipeLoop(model, stream, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
-                          amp_dtype=amp_dtype, device=device)
-        step_s = time_recipe(loop, timer, args.steps, args.warmup)
+    timer, loop = Timer(device), TrainSteps(model, training, cfg)
+    loop.run(args.warmup)
+    log("warm-up done: the timed steps begin")
+    start = timer.mark()
+    loop.run(args.steps)
+    step_s = timer.seconds(start, timer.mark()) / args.steps
     peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None  # training, data included
     phase_steps = max(10, args.steps // 2)
-    timing = (loader, normalize, optimizer, scaler, loss_fn, amp_dtype, device, phase_steps, 3)
-    phases = time_phases(model, *timing)
+    phases = time_phases(model, training, cfg, phase_steps)
     phases["exposed_comm_s"] = None
     if env.world_size > 1 and not args.compile:  # DDP minus no_sync: the communication not hidden by backward
         with model.no_sync():
-            phases["exposed_comm_s"] = max(0.0, phases["fwd_bwd_s"] - time_phases(model, *timing)["fwd_bwd_s"])
-    phases.update(steps=phase_steps, what="a separate run of the same step with timer marks between its phases "
-                  "(data: batch, split, copy, normalisation; fwd_bwd: all micro-batches and the loss sums; optimizer: "
-                  "the scaler's step and update; exposed_comm: fwd_bwd with DDP minus fwd_bwd under no_sync)")
-    flops = flops_per_image(bare, device, amp_dtype, cuda)
+            phases["exposed_comm_s"] = max(0.0, phases["fwd_bwd_s"] - time_phases(model, training, cfg,
+                                                                                  phase_steps)["fwd_bwd_s"])
+    phases.update(steps=phase_steps, what="a separate run of the recipe's loop with timer marks between the phases "
+                  "of each step (data: LR, batch, split, copy, normalisation; fwd_bwd: all micro-batches and the loss "
+                  "sums; optimizer: the scaler's step and update; exposed_comm: fwd_bwd with DDP minus fwd_bwd under "
+                  "no_sync); left out: the stop check every 10 steps, and an epoch's start and end")
+    flops = flops_per_image(training.model, device, cfg.amp_dtype, cuda)
     # One full epoch of augmentation on one device (all 50,000 images, this rank's batch size).
-    everything, _ = du.build_loaders(data, test, batch_size=per_rank, rank=0, world_size=1, accum_steps=1,
-                                     eval_batch=per_rank, seed=0, workers=0, pin_memory=False, device=device)
+    everything, _ = du.build_loaders(data, checked.test, batch_size=cfg.per_rank_batch, rank=0, world_size=1,
+                                     accum_steps=1, eval_batch=cfg.per_rank_batch, seed=0, workers=0,
+                                     pin_memory=False, device=device)
     everything.batch_sampler.set_epoch(1)
-    for _ in everything:  # warm-up
-        break
+    next(iter(everything))  # warm-up
     t0 = timer.mark()
     for _ in everything:
         pass
     aug_epoch_s = timer.seconds(t0, timer.mark())
-    return {"step_s": step_s, "what": "train_ddp.train_step in the recipe's loop (RecipeLoop), the recipe's loader",
+    return {"step_s": step_s, "what": "train_ddp.train_one_epoch on build_training's Training: an epoch of `steps` "
+            "steps, its start and end included (several epochs past 50,000 images), after `warmup` untimed steps",
             "steps": args.steps, "warmup": args.warmup, "accum_steps": accum, "phases": phases,
             "augment_epoch_s": aug_epoch_s, "augment_epoch_images": len(data.labels), "flops_per_image": flops,
             "peak_memory_gib": peak_memory}
@@ -371,15 +361,20 @@ def original_steps(model, batches, optimizer, scaler, amp_dtype, device, steps, 
     return timer.seconds(start, timer.mark()) / steps
 
 
-def bench_original(args, env, device, data):
-    per_rank = args.batch_size // env.world_size
-    _, model, optimizer = build(args, env, device, channels_last=False, compile_model=False, fused=False)
+def bench_original(args, env, cfg, data, checked) -> dict:
+    device, per_rank = env.device, args.batch_size // env.world_size
+    # The recipe's model and SGD (build_training; its loaders never started), as the original script had them:
+    # the weights not channels_last, and SGD's default implementation, not the fused one (the same on CPU).
+    training = train_ddp.build_training(cfg, env, dataclasses.replace(checked, train=None, device=None))
+    model = wrap(training.model.to(memory_format=torch.contiguous_format), args, env, compile_model=False)
+    for group in training.optimizer.param_groups:
+        group["fused"] = None
     amp = torch.float16 if device.type == "cuda" else None  # the original: fp16 autocast on CUDA
     scaler = torch.amp.GradScaler(device.type, enabled=amp is not None)
     log(f"timing the original script's pipeline: {args.workers} DataLoader workers per rank, {args.steps} steps "
         f"after {args.warmup} warm-up")
     with contextlib.closing(original_batches(data, per_rank, env, args.workers, device)) as batches:
-        step_s = original_steps(model, batches, optimizer, scaler, amp, device, args.steps, args.warmup)
+        step_s = original_steps(model, batches, training.optimizer, scaler, amp, device, args.steps, args.warmup)
     return {"step_s": step_s}
 
 
@@ -429,16 +424,6 @@ def pct(s: dict) -> str:
             f"{s['q1'] * 100:+.2f} to {s['q3'] * 100:+.2f}%; range {s['min'] * 100:+.2f} to {s['max'] * 100:+.2f}%)")
 
 
-class Identity:
-    """A normalisation that leaves its input alone: train_step on batches normalised beforehand."""
-
-    def __init__(self, device):
-        self.scale = torch.ones((), device=device)
-
-    def __call__(self, images):
-        return images
-
-
 @contextlib.contextmanager
 def quiet_stderr():
     """File descriptor 2 to /dev/null for a while: the profiler's C++ side prints a line at every start and
@@ -486,31 +471,40 @@ def decide(s: dict, target: float = 0.03) -> str:
             f"undecided (its 95% interval holds {target:.0%}: run more --rounds)")
 
 
-def loop_overhead_check(depth: int, width: int, batch: int, rounds: int, profile: bool) -> dict:
+class ReadyLoader:
+    """A training loader of one step per epoch: batches made beforehand, in turn."""
+
+    def __init__(self, batches, batch_size: int):
+        self.batches = itertools.cycle(batches)
+        self.batch_sampler = du.EpochSampler(batch_size, batch_size=batch_size, rank=0, world_size=1)
+
+    def __iter__(self):
+        return iter([next(self.batches)])
+
+
+def loop_overhead_check(args, cfg, env) -> dict:
     """The training loop's overhead, on one thread. Each round runs one step of each of three loops, in an
-    order that cycles through all six, on the same model and optimizer:
+    order that cycles through all six, on the same model and optimizer (build_training's, for `cfg`):
       bare: a minimal loop over ready-made normalised batches (mean loss, zero_grad, backward, step);
-      step: the recipe's loop (RecipeLoop: train_step, its loss sums, the stop check) over the same batches,
-        with its normalisation left out: the same work as bare, so the difference is the loop's bookkeeping;
+      step: the recipe's loop (train_one_epoch: the LR, train_step, its loss sums, the stop check) over the same
+        batches, with its normalisation left out: the same work as bare, so the difference is the loop's bookkeeping;
       recipe: the recipe's loop end to end: the device loader (gather, crop, flip), normalisation, train_step.
-    and then the data path alone (the device loader and normalisation). Steps are timed in this process's CPU
-    time, which other processes on the same cores inflate far less than the wall clock, and compared within
-    a round (loop / bare - 1), a fraction of a second apart, so that the machine's drifts cancel: the median
-    of the rounds, with a 95% interval, says whether the overhead is within 3%. The first WARMUP_ROUNDS are
-    not timed."""
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    model = WideResNet(depth, width, du.CIFAR100_CLASSES)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    mean_loss, sum_loss = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="sum")
-    normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, device)
-    data = du.make_synthetic(batch * 16, train=True)
-    loaders = [du.build_loaders(data, data, batch_size=batch, rank=0, world_size=1, accum_steps=1, eval_batch=batch,
-                                seed=0, workers=0, pin_memory=False, device=device)[0] for _ in range(3)]
-    loaders[0].batch_sampler.set_epoch(0)
-    ready = [(normalize(x), y) for x, y in loaders[0]]  # the recipe's own batches, made beforehand
-    bare_batches = itertools.cycle(ready)
+    and then the data path alone (the device loader and normalisation). A step of the recipe's loop is a whole
+    epoch of it, so its work per epoch (the epoch's order and sums) counts in every step: an upper bound. Steps
+    are timed in this process's CPU time, which other processes on the same cores inflate far less than the wall
+    clock, and compared within a round (loop / bare - 1), a fraction of a second apart, so that the machine's
+    drifts cancel: the median of the rounds, with a 95% interval, says whether the overhead is within 3%. The
+    first WARMUP_ROUNDS are not timed."""
+    data = du.make_synthetic(cfg.batch_size, train=True)  # an epoch of one step
+    training = train_ddp.build_training(cfg, env, du.CheckedData(data, data, du.measure_data(data, data), {},
+                                                                 env.device))  # the device loader, on the CPU
+    model, optimizer, loader, normalize = training.model, training.optimizer, training.train_loader, training.normalize
+
+    def batches(epoch):  # the recipe's normalised batches of an epoch (of one step)
+        loader.batch_sampler.set_epoch(epoch)
+        return [(normalize(x), y) for x, y in loader]
+    ready = [batch for epoch in range(16) for batch in batches(epoch)]  # made beforehand
+    bare_batches, mean_loss = itertools.cycle(ready), nn.CrossEntropyLoss()
     model.train()
 
     def bare_loop(n):
@@ -521,20 +515,20 @@ def loop_overhead_check(depth: int, width: int, batch: int, rounds: int, profile
             loss.backward()
             optimizer.step()
 
-    common = dict(optimizer=optimizer, scaler=scaler, loss_fn=sum_loss, amp_dtype=None, device=device)
-    step = RecipeLoop(model, ((x, y, batch, [batch]) for x, y in itertools.cycle(ready)), normalize=Identity(device),
-                      **common)
-    recipe = RecipeLoop(model, loader_steps(loaders[1]), normalize=normalize, **common)
-    data_stream = loader_steps(loaders[2])
+    identity = nn.Identity()  # a normalisation that leaves the batches normalised beforehand alone
+    identity.scale = normalize.scale  # where train_step reads the device
+    step = TrainSteps(model, dataclasses.replace(training, normalize=identity,
+                                                 train_loader=ReadyLoader(ready, cfg.batch_size)), cfg)
+    recipe = TrainSteps(model, training, cfg)
 
     def data_path(n):
-        for _ in range(n):
-            normalize(next(data_stream)[0])
+        for epoch in range(n):
+            batches(epoch)
 
     loops = {"bare": bare_loop, "step": step.run, "recipe": recipe.run, "data": data_path}
     orders = list(itertools.permutations(["bare", "step", "recipe"]))
     times = {name: [] for name in loops}
-    for rnd in range(WARMUP_ROUNDS + rounds):
+    for rnd in range(WARMUP_ROUNDS + args.rounds):
         for name in (*orders[rnd % len(orders)], "data"):
             t = time.process_time()
             loops[name](1)
@@ -543,25 +537,23 @@ def loop_overhead_check(depth: int, width: int, batch: int, rounds: int, profile
     ratio = {name: spread([t / b - 1 for t, b in zip(times[name], times["bare"])]) for name in ("step", "recipe")}
     data_share = spread([t / b for t, b in zip(times["data"], times["bare"])])
     ms = {name: statistics.median(ts) for name, ts in times.items()}
-    result = {"model": f"WRN-{depth}-{width}", "batch": batch, "threads": torch.get_num_threads(), "rounds": rounds,
-              "clock": "process CPU time", "bare_step_s": ms["bare"], "step_step_s": ms["step"],
-              "ours_step_s": ms["recipe"], "data_path_s": ms["data"], "bookkeeping": ratio["step"],
-              "overhead": ratio["recipe"], "overhead_fraction": ratio["recipe"]["median"],
+    result = {"model": f"WRN-{cfg.depth}-{cfg.widen_factor}", "batch": cfg.batch_size, "rounds": args.rounds,
+              "threads": torch.get_num_threads(), "clock": "process CPU time", "bare_step_s": ms["bare"],
+              "step_step_s": ms["step"], "ours_step_s": ms["recipe"], "data_path_s": ms["data"],
+              "bookkeeping": ratio["step"], "overhead": ratio["recipe"], "overhead_fraction": ratio["recipe"]["median"],
               "data_path_fraction": data_share["median"], "data_path_share": data_share,
               "decision": {"bookkeeping": decide(ratio["step"]), "end_to_end": decide(ratio["recipe"])},
               "per_round_s": times}
-    if profile:
+    if args.profile:
         result["profile"] = profile_loops({"bare": bare_loop, "step": step.run, "recipe": recipe.run}, 10)
     return result
 
 
-def cpu_checks(args) -> dict:
+def cpu_checks(args, cfg, env) -> dict:
     """Per-core comparisons that need no GPU, on one thread: with two or more, other processes on the same
     cores make OpenMP's threads wait for each other, and a step's time swings several-fold."""
     torch.set_num_threads(1)
-    return {"augmentation": augmentation_check(),
-            "loop_overhead": loop_overhead_check(args.depth, args.widen_factor, args.batch_size, args.rounds,
-                                                 args.profile)}
+    return {"augmentation": augmentation_check(), "loop_overhead": loop_overhead_check(args, cfg, env)}
 
 
 def report_cpu_checks(c: dict, seconds: float) -> None:
@@ -572,9 +564,9 @@ def report_cpu_checks(c: dict, seconds: float) -> None:
         f"bare {lo['bare_step_s'] * 1e3:.1f} ms/step: {lo['overhead_fraction'] * 100:.1f}%; the data path "
         f"alone {lo['data_path_s'] * 1e3:.2f} ms/step, {lo['data_path_fraction'] * 100:.1f}% of the bare step "
         f"(medians of {lo['rounds']} rounds, one step of each loop per round, CPU time, {lo['threads']} thread)")
-    log(f"  the recipe end to end (device loader, normalisation, train_step, loss sums, stop check) against the "
-        f"bare loop over ready-made batches: {pct(lo['overhead'])}")
-    log(f"  of which the step's bookkeeping (train_step and the loop on the bare loop's batches, same work): "
+    log(f"  the recipe end to end (train_one_epoch: device loader, normalisation, train_step, loss sums, stop "
+        f"check) against the bare loop over ready-made batches: {pct(lo['overhead'])}")
+    log(f"  of which the step's bookkeeping (train_one_epoch on the bare loop's batches, same work): "
         f"{pct(lo['bookkeeping'])}")
     log(f"  decision (target: at most 3%): the loop's own overhead is {lo['decision']['bookkeeping']}; end to end, "
         f"with the data path, {lo['decision']['end_to_end']}")
@@ -595,27 +587,33 @@ def report_cpu_checks(c: dict, seconds: float) -> None:
 
 def main(args):
     resolve_shape(args)
-    env = utils.read_dist_env()
-    env.device = device = utils.pick_device(args.device, env.local_rank)
-    utils.init_distributed(env, 600)  # sets this rank's GPU first
-    amp_dtype = utils.resolve_amp(args.amp, device)
+    for name, least in (("steps", 1), ("warmup", 0), ("rounds", 1)):  # this script's own flags
+        if getattr(args, name) < least:
+            raise UserError(f"--{name} must be at least {least}, got {getattr(args, name)}")
+    env = utils.init_distributed(args.device, 600)  # rank, device, process group: NCCL or gloo
     torch.backends.cudnn.benchmark = True
     try:
+        if args.cpu_checks:  # the recipe's loop on CPU, without DDP
+            env = dataclasses.replace(env, device=torch.device("cpu"))
+            cfg = recipe_config(args, env, device="cpu", amp="off", loader="gpu", workers=0, micro_batch=None,
+                                compile=False)
+        else:
+            cfg = recipe_config(args, env)
+        device = env.device
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
-                  "amp_dtype": str(amp_dtype), "hosts": sorted(set(utils.all_gather(platform.node())))}
+                  "amp_dtype": str(cfg.amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
         if args.cpu_checks:
-            if args.rounds < 1:
-                raise UserError(f"--rounds must be at least 1, got {args.rounds}")
             log(f"cpu checks: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size}, {args.rounds} rounds "
                 f"(about two minutes on 2 cores with the defaults)")
             t0 = time.perf_counter()
-            result["cpu_checks"] = cpu_checks(args)
+            result["cpu_checks"] = cpu_checks(args, cfg, env)
             report_cpu_checks(result["cpu_checks"], time.perf_counter() - t0)
         else:
             data = du.make_synthetic(50_000, train=True)  # CIFAR-100's training set size
-            peak, peak_note = peak_flops(device, amp_dtype)
-            ours = bench_ours(args, env, device, amp_dtype, data)
+            checked = bench_data(args, cfg, env, data)
+            peak, peak_note = peak_flops(device, cfg.amp_dtype)
+            ours = bench_ours(args, env, cfg, checked, data)
             ips = args.batch_size / ours["step_s"]
             ours.update(images_per_s=ips, images_per_s_per_gpu=ips / env.world_size,
                         mfu=ours["flops_per_image"] * ips / env.world_size / peak if peak else None,
@@ -624,7 +622,7 @@ def main(args):
             ms = lambda s: "n/a" if s is None else f"{s * 1e3:.2f} ms"  # noqa: E731
             ph = ours["phases"]
             log(f"ours: {ips:.0f} img/s, {ips / env.world_size:.0f} img/s per {device.type}, step {ms(ours['step_s'])} "
-                f"(train_ddp.train_step in the recipe's loop)")
+                f"(the recipe's train_one_epoch)")
             log(f"ours, phases (a separate run of the same step, with timer marks between its phases): data "
                 f"{ms(ph['data_s'])}, fwd+bwd {ms(ph['fwd_bwd_s'])}, optimizer {ms(ph['optimizer_s'])}, exposed comm "
                 f"{ms(ph['exposed_comm_s'])}")
@@ -635,7 +633,7 @@ def main(args):
             log(f"MFU: {mfu} ({ours['flops_per_image'] / 1e9:.2f} GFLOP per image fwd+bwd; {peak_note}); "
                 f"peak memory {mem}")
             if args.compare_original:
-                original = bench_original(args, env, device, data)
+                original = bench_original(args, env, cfg, data, checked)
                 original["images_per_s"] = args.batch_size / original["step_s"]
                 result["original"], result["speedup_vs_original"] = original, ips / original["images_per_s"]
                 log(f"the original script's pipeline: {original['images_per_s']:.0f} img/s; ours is "
@@ -644,7 +642,7 @@ def main(args):
         path = args.json or os.path.join("runs", "bench", name)  # runs/ is git-ignored
         if env.is_main:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            utils.write_json(path, result)
+            write_json(path, result)
             log(f"wrote {path}")
     finally:
         if dist.is_initialized():
@@ -652,7 +650,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    utils.catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
+    catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
     try:
         main(get_args_parser().parse_args())
     except UserError as e:

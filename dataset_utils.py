@@ -2,7 +2,7 @@
 data say of themselves (DataSpec), and the DDP data loaders.
 
 Whatever `load_data` in train_ddp.py returns decides the rest: the model's input channels and
-classes, the normalisation's mean and std, and the augmentation's crop, all from `describe_data`.
+classes, the normalisation's mean and std, and the augmentation's crop, all from `measure_data`.
 
 The images stay uint8 until they reach the device: the loader workers only crop
 and flip, and normalisation runs on the device in `Normalize`. That keeps the
@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
-from train_utils import UserError
+from machinery.checkpoints import check_same_data
+from machinery.errors import UserError, call_and_agree
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
 # environment points at a mirror instead (the md5 check still applies).
@@ -44,8 +45,8 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 @dataclass
 class ImageData:
     """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,). It may state its
-    number of classes and its per-channel mean and std (fractions of 255); describe_data computes
-    what it does not state. Data too large for memory: a Dataset instead (see describe_data)."""
+    number of classes and its per-channel mean and std (fractions of 255); measure_data computes
+    what it does not state. Data too large for memory: a Dataset instead (see measure_data)."""
     images: torch.Tensor
     labels: torch.Tensor
     num_classes: int | None = None
@@ -74,8 +75,18 @@ class DataSpec:
 
 # ----------------------------------------------------------------------------- CIFAR-100 on disk
 
-def prepare_cifar100(data_dir: str) -> None:
-    """Make sure data_dir/cifar-100-python/ exists: extract the archive, downloading it first if absent.
+def prepare_cifar100(data_dir: str, env=None) -> None:
+    """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be
+    node-local), while the other ranks wait: every rank raises the UserError that says why not. `env`:
+    this process's DistEnv, or None for a lone process."""
+    if env is None:
+        return fetch_cifar100(data_dir)
+    call_and_agree(fetch_cifar100, data_dir, here=env.local_rank == 0)
+
+
+def fetch_cifar100(data_dir: str) -> None:
+    """Extract data_dir/cifar-100-python.tar.gz if data_dir/cifar-100-python/ is not there, downloading
+    it first if absent.
 
     The archive's md5 is checked before anything is extracted. Downloads and extractions go
     to a private temporary folder and are renamed into place, so processes on several nodes
@@ -192,7 +203,7 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
     return full
 
 
-def describe_data(train, test) -> DataSpec:
+def measure_data(train, test) -> DataSpec:
     """What the splits that load_data returned say of themselves: an image's channels, height and width,
     the number of classes, and the training split's per-channel mean and std. What a split states is
     taken as stated (ImageData's fields; a Dataset's `num_classes`, `mean` and `std` attributes, or
@@ -226,9 +237,33 @@ def describe_data(train, test) -> DataSpec:
     return DataSpec(*shape, num_classes=int(num_classes), mean=tuple(map(float, mean)), std=tuple(map(float, std)))
 
 
-def image_shape(split) -> dict:
-    """A split's image channels, height and width, checked as describe_data checks them."""
-    return dict(zip(("channels", "height", "width"), check_split(split, "test")))
+@dataclass
+class CheckedData:
+    """The splits load_data returned (train: None for --evaluate), what they say of themselves, and their
+    fingerprints, checked against the checkpoint a run continues."""
+    train: object
+    test: object
+    spec: DataSpec
+    fingerprints: dict
+    device: object  # where the loaders keep the data: a torch.device, or None for DataLoader workers
+
+
+def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
+    """load_data(cfg, env, train) on every rank, measured (measure_data) and checked to be the data the
+    checkpoint in `found` trained on; every rank raises the UserError that says why not. Without the
+    training split (--evaluate) the spec is the checkpoint's: the training set's mean and std."""
+    train_data, test_data = call_and_agree(load_data, cfg, env, train)
+    if train:
+        spec = call_and_agree(measure_data, train_data, test_data)
+        shape = spec.shape()
+    else:
+        shape = dict(zip(("channels", "height", "width"), call_and_agree(check_split, test_data, "test")))
+        spec = DataSpec(**found.ckpt["config"]["data_spec"])
+    splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
+    fingerprints = {name: fingerprint(split) for name, split in splits.items()}
+    call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
+    device = call_and_agree(data_device, cfg.loader, env.device, *splits.values())
+    return CheckedData(train_data, test_data, spec, fingerprints, device)
 
 
 def check_split(split, name: str) -> tuple:
@@ -429,7 +464,7 @@ class EpochSampler:
 
     def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
                  seed: int = 0):
-        self.n, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.rank, self.world_size, self.accum_steps = rank, world_size, accum_steps
         assert batch_size % (world_size * accum_steps) == 0, "the global batch splits into equal micro-batches"
         self.epoch, self.start = 0, 0
@@ -440,18 +475,18 @@ class EpochSampler:
     def step_split(self, position: int) -> tuple:
         """The global step that starts at `position` of the epoch's order: its number of samples (the
         epoch's last step may be short) and the sizes of this rank's micro-batches in it."""
-        step_samples = min(self.batch_size, self.n - position)
+        step_samples = min(self.batch_size, self.num_samples - position)
         return step_samples, [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
 
     def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        for first in range(self.start, self.n, self.batch_size):
+        order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        for first in range(self.start, self.num_samples, self.batch_size):
             step = order[first:first + self.batch_size]
             yield [(self.epoch, step[i]) for micro in deal_step(len(step), self.rank, self.world_size, self.accum_steps)
                    for i in micro]
 
     def __len__(self) -> int:
-        return -(-max(self.n - self.start, 0) // self.batch_size)
+        return -(-max(self.num_samples - self.start, 0) // self.batch_size)
 
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
@@ -486,12 +521,14 @@ def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, a
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
     micro-batches back to back; call sampler.set_epoch each epoch) and the test loader (sharded
     without padding or dropping: every test image is scored exactly once, in batches of `eval_batch`).
-    The splits are ImageData or Datasets (describe_data). With `device`, both are DeviceLoaders over
-    ImageData held on that device; else DataLoaders."""
-    sampler = EpochSampler(len(train), batch_size=batch_size, rank=rank, world_size=world_size,
-                           accum_steps=accum_steps, seed=seed)
+    The splits are ImageData or Datasets (measure_data); train may be None (no training loader). With
+    `device`, both are DeviceLoaders over ImageData held on that device; else DataLoaders."""
     test_loader = build_test_loader(test, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers,
                                     pin_memory=pin_memory, device=device)
+    if train is None:  # --evaluate
+        return None, test_loader
+    sampler = EpochSampler(len(train), batch_size=batch_size, rank=rank, world_size=world_size,
+                           accum_steps=accum_steps, seed=seed)
     if device is not None:
         return DeviceLoader(train, device, sampler=sampler, seed=seed), test_loader
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when

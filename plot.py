@@ -103,6 +103,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from train_utils import catch_stop_signals
+    from machinery.signals import catch_stop_signals
     catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
     main()

@@ -31,8 +31,11 @@ import torch
 import torch.distributed as dist
 
 import dataset_utils as du
-from train_utils import (UserError, all_gather, catch_stop_signals, check_writable, host_name, init_distributed,
-                         log, pick_device, read_dist_env, route_source)
+from machinery.errors import RendezvousError, UserError, all_gather
+from machinery.files import check_writable
+from machinery.launch import host_name, init_distributed, read_dist_env, route_source
+from machinery.output import log
+from machinery.signals import catch_stop_signals
 
 
 def get_args_parser():
@@ -240,11 +243,11 @@ def reach_master(ip: str, port: int, host: str, timeout: float, shown: str) -> l
 def main(args) -> int:
     if args.network:
         return check_network(args)
-    env = read_dist_env()
-    env.device = device = pick_device(args.device, env.local_rank)
     try:
-        init_distributed(env, args.timeout)
-    except (UserError, RuntimeError) as e:  # every rank says why: there is no process group to gather it
+        env = init_distributed(args.device, args.timeout)
+        device = env.device
+    except (RendezvousError, RuntimeError) as e:  # every rank says why: there is no process group to gather it
+        env = read_dist_env()  # as init_distributed read it (srun's variables adopted)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
             master_ip = socket.getaddrinfo(os.environ.get("MASTER_ADDR", ""), None)[0][4][0]

@@ -1,23 +1,23 @@
 """Train a WideResNet on CIFAR-100 with DistributedDataParallel.
 
-    python train_ddp.py --dataset synthetic --epochs 1                # one process (GPU or CPU)
+    python train_ddp.py --recipe cpu-try                              # one process, about a minute on a CPU
     torchrun --standalone --nproc_per_node=4 train_ddp.py             # one node, 4 GPUs
-    sbatch jobs/multigpu.sh                                           # Slurm
+    sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 
-The same file runs under plain python and under torchrun: the launcher's environment
-(RANK, WORLD_SIZE, LOCAL_RANK) says whether this is one process of many. On CUDA each
-process drives the GPU of its LOCAL_RANK with NCCL; without CUDA it runs on CPU with gloo.
+The same file runs under plain python and under torchrun: the launcher's environment (RANK,
+LOCAL_RANK, WORLD_SIZE) says whether this is one process of many. On CUDA each process drives the
+GPU of its LOCAL_RANK with NCCL; without CUDA it runs on CPU with gloo.
 
-train() is the recipe, top to bottom: the run's shape and LR, the data, the model, the resume,
-then for each epoch train_one_epoch() and evaluate(), a record and a checkpoint, and a summary.
-The two places marked ADAPT are where you plug in your own model and data: the data describe
-themselves (channels, size, classes, mean and std), and the model, the normalisation and the
-augmentation follow them. For a task other than classification, also change loss_fn in train()
-and the metrics in evaluate().
+Read it top to bottom: the flags and the named recipes; the two places marked ADAPT, where your model
+and data go (the data describe themselves: channels, size, classes, mean and std, and the model, the
+normalisation and the augmentation follow); then the DDP story: train_step, train_one_epoch,
+evaluate, and train(), which sets the run up, wraps the model in DDP and loops over the epochs. For a
+task other than classification, also change loss_fn in build_training and the metrics in evaluate().
 """
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,78 +28,129 @@ import dataset_utils
 import train_utils as utils
 from model import WideResNet, depth_arg, width_arg
 
+# Named presets for --recipe: flag -> value, under any flag given on the command line. With no
+# --recipe the defaults are the original script's 5-epoch smoke run.
+RECIPES = {
+    # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016, arXiv:1605.07146: 79.6% top-1):
+    # SGD with Nesterov momentum 0.9, LR 0.1 for a batch of 128, weight decay 5e-4, 200 epochs, x0.2 at
+    # epochs 60, 120 and 160; carried to a global batch of 512 by the linear rule (LR 0.4), with a 5-epoch
+    # warm-up for the larger batch (Goyal et al. 2017). The job scripts run it.
+    "wrn-paper": dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
+                      reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
+                      momentum=0.9, nesterov=True, weight_decay=5e-4),
+    # About a minute on a CPU: a WRN-10-2 on the learnable synthetic data, no download (13% -> 89% top-1).
+    "cpu-try": dict(dataset="synthetic", depth=10, widen_factor=2, train_size=5000, test_size=1000,
+                    batch_size=128, base_lr=0.1, reference_batch_size=128, epochs=3, out_dir="runs/cpu-try"),
+}
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
-                                epilog="The defaults are the original script's 5-epoch smoke run; the full recipe "
-                                       "(the WRN paper's WRN-16-8, 200 epochs) is RECIPE in jobs/lib.sh, which the job "
-                                       "scripts run.",
+                                epilog="The defaults are the original script's 5-epoch smoke run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--recipe", choices=sorted(RECIPES), default=None, help="a named preset (below); flags given win over it")
     # The original script's flags keep their meaning.
-    p.add_argument("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
-    p.add_argument("--epochs", type=int, default=5, help="number of epochs to train")
-    p.add_argument("--base-lr", type=float, default=0.01, help="learning rate tuned for --reference-batch-size on one GPU")
-    p.add_argument("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) that counts towards early stopping")
-    p.add_argument("--patience", type=int, default=2, help="stop after this many consecutive epochs at or above the target")
+    add("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
+    add("--epochs", type=int, default=5, help="number of epochs to train")
+    add("--base-lr", type=float, default=0.01, help="learning rate tuned for --reference-batch-size")
+    add("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) for early stopping")
+    add("--patience", type=int, default=2, help="stop after this many epochs in a row at or above the target")
     # Model.
-    p.add_argument("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
-    p.add_argument("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
-    p.add_argument("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
+    add("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
+    add("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
+    add("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
     # Data.
-    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: learnable generated data of CIFAR-100's shape, no download")
-    p.add_argument("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
-    p.add_argument("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
-    p.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
-    p.add_argument("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data on the device, augmented there; torch: DataLoader with CPU workers; auto: gpu on CUDA")
-    p.add_argument("--workers", type=int, default=-1, help="DataLoader workers per rank with --loader torch (-1: the rank's share of the CPUs, at most 8)")
+    add("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: learnable, no download")
+    add("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
+    add("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
+    add("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
+    add("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data on the device; torch: workers")
+    add("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
     # Optimisation.
-    p.add_argument("--micro-batch", type=int, default=None, help="most samples per forward/backward on one rank; more are reached by gradient accumulation (default: no cap)")
-    p.add_argument("--reference-batch-size", type=int, default=512, help="the batch size --base-lr was tuned for")
-    p.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="how the LR grows with batch-size / reference-batch-size")
-    p.add_argument("--lr-schedule", choices=["cosine", "step"], default="cosine", help="after warm-up: cosine to 0, or the WRN paper's x0.2 steps at 30/60/80%%")
-    p.add_argument("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
-    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    p.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum")
-    p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
-    p.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
-    p.add_argument("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks' batches (SyncBatchNorm; CUDA only)")
+    add("--micro-batch", type=int, default=None, help="most samples per forward on a rank; more by accumulation")
+    add("--reference-batch-size", type=int, default=512, help="the batch size --base-lr was tuned for")
+    add("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="LR rule for the batch's ratio")
+    add("--lr-schedule", choices=["cosine", "step"], default="cosine", help="after warm-up: cosine, or x0.2 steps")
+    add("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
+    add("--momentum", type=float, default=0.9, help="SGD momentum")
+    add("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum")
+    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    add("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
+    add("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
     # Run.
-    p.add_argument("--out-dir", default="./runs/wrn", help="checkpoint, metrics and summary go here; a checkpoint here is resumed")
-    p.add_argument("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
-    p.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 where supported, fp16 on older GPUs, off on CPU")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
-    p.add_argument("--log-every", type=int, default=50, help="progress line every N steps in batch logs (on a terminal: a live line; 0: none)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep, newest first")
-    p.add_argument("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, checkpointed, to resume in a later job (0: never)")
-    p.add_argument("--evaluate", action="store_true", help="evaluate the checkpoint in --out-dir on its test set and exit (other flags: from the checkpoint)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
-    p.add_argument("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard (pip install tensorboard)")
+    add("--out-dir", default="./runs/wrn", help="checkpoints, metrics and summary; a checkpoint here is resumed")
+    add("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
+    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
+    add("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 on GPUs")
+    add("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
+    add("--log-every", type=int, default=50, help="a progress line every N steps (0: none)")
+    add("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: at epoch ends only)")
+    add("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
+    add("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, to resume later (0: never)")
+    add("--evaluate", action="store_true", help="score the checkpoint in --out-dir on its test set, and exit")
+    add("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    add("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
     return p
 
 
-def build_model(args, data: dataset_utils.DataSpec) -> nn.Module:
-    # ADAPT (1/2): your model here, taking its input channels and classes from `data`; and in model_config
+def build_model(cfg, data) -> nn.Module:
+    # ADAPT (1/2): your model here, taking its input channels and classes from `data` (a DataSpec); in model_config
     # what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
-    return WideResNet(args.depth, args.widen_factor, num_classes=data.num_classes, dropout=args.dropout,
+    return WideResNet(cfg.depth, cfg.widen_factor, num_classes=data.num_classes, dropout=cfg.dropout,
                       in_channels=data.channels)
 
 
-def model_config(args, data: dataset_utils.DataSpec) -> dict:
-    return {"name": f"WRN-{args.depth}-{args.widen_factor}", "depth": args.depth, "widen_factor": args.widen_factor,
+def model_config(cfg, data) -> dict:
+    return {"name": f"WRN-{cfg.depth}-{cfg.widen_factor}", "depth": cfg.depth, "widen_factor": cfg.widen_factor,
             "in_channels": data.channels, "num_classes": data.num_classes}
 
 
-def load_data(args, env, train: bool = True):
+def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
-    not asked for. The rest follows from what this returns: see dataset_utils.describe_data."""
+    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
     # ADAPT (2/2): your data here.
-    if args.dataset == "cifar100":  # one process per node fetches and checks it (the data dir may be node-local)
-        utils.call_and_agree(dataset_utils.prepare_cifar100, args.data_dir, here=env.local_rank == 0)
-    return (dataset_utils.load_split(args.dataset, args.data_dir, True, args.train_size) if train else None,
-            dataset_utils.load_split(args.dataset, args.data_dir, False, args.test_size))
+    if cfg.dataset == "cifar100":
+        dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
+    return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size) if train else None,
+            dataset_utils.load_split(cfg.dataset, cfg.data_dir, False, cfg.test_size))
+
+
+@dataclass
+class Training:
+    """What build_training makes: the bare model on its device, and what trains and feeds it."""
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loss_fn: nn.Module
+    normalize: nn.Module
+    train_loader: object
+    test_loader: object
+
+
+def build_training(cfg, env, data) -> Training:
+    """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(),
+    --evaluate and bench.py. `data`: dataset_utils.load_checked_data's (its train split may be None)."""
+    device = env.device
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = build_model(cfg, data.spec)
+    if cfg.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # On CUDA the model is kept channels_last, the layout cuDNN's fastest convolutions want.
+    model = model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                                weight_decay=cfg.weight_decay, fused=device.type == "cuda")  # LR: set every step
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
+    torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
+    # Training: each rank's share of every global batch. Test: rank r scores images r, r + world_size, ...
+    train_loader, test_loader = dataset_utils.build_loaders(
+        data.train, data.test, batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size,
+        accum_steps=cfg.accumulation_steps, eval_batch=cfg.eval_batch, seed=cfg.seed, workers=cfg.num_workers,
+        pin_memory=device.type == "cuda", device=data.device)
+    normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=device.type == "cuda")
+    return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader)
 
 
 def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes,
@@ -116,7 +167,9 @@ def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, 
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):  # DDP all-reduces in the last one
+        # DDP all-reduces the gradients in the last micro-step's backward, overlapped with it; the
+        # others only accumulate locally (no_sync).
+        with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
@@ -125,21 +178,24 @@ def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, 
         # rank 0's BatchNorm running statistics are the ones kept (DDP broadcasts them), and they saw only
         # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
-            kept_buffers = [b.detach().clone() for b in utils.unwrap(model).buffers()]
-    utils.restore_buffers(model, kept_buffers)  # a no-op if nothing was kept
+            kept_buffers = [b.detach().clone() for b in model.buffers()]
+    for buffer, kept in zip(model.buffers(), kept_buffers or []):
+        buffer.copy_(kept)
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
     return stats
 
 
-def train_one_epoch(model, loader, *, optimizer, scaler, loss_fn, normalize, epoch, progress, run) -> bool:
+def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, checkpoint, progress_log) -> bool:
     """Train the rest of `epoch` from progress.position. Returns True if the ranks agreed to stop
     (a stop request), with a checkpoint saved. Raises UserError if the loss went non-finite."""
-    args, env, n = run.args, run.env, run.n_train
+    loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
+    n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
     loader.batch_sampler.set_epoch(epoch, start=progress.position)  # a new order per epoch; after a resume, the rest
-    # loss sum over finite losses, their n, and all n; a resumed epoch's sums so far sit on rank 0.
-    sums = torch.tensor(progress.sums if env.is_main else [0.0] * 3, dtype=torch.float64, device=env.device)
+    # Loss sum over finite losses, their n, and all n. A resumed epoch's sums so far count once: on rank 0.
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    sums = torch.tensor(progress.sums if first else [0.0] * 3, dtype=torch.float64, device=device)
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
     t0 = time.perf_counter() - progress.elapsed_s
     for images, labels in loader:
@@ -147,18 +203,24 @@ def train_one_epoch(model, loader, *, optimizer, scaler, loss_fn, normalize, epo
         done = progress.position + step_samples
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
         # so a resume with another batch size keeps its schedule.
-        utils.set_lr(optimizer, run.peak_lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
-                                                              epochs=args.epochs, warmup_epochs=args.warmup_epochs,
-                                                              schedule=args.lr_schedule))
-        sums += train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
-                           loss_fn=loss_fn, amp_dtype=run.amp_dtype, micro_sizes=micro_sizes, step_samples=step_samples)
+        lr = cfg.lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n, epochs=cfg.epochs,
+                                      warmup_epochs=cfg.warmup_epochs, schedule=cfg.lr_schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums += train_step(model, images, labels, normalize=training.normalize, optimizer=optimizer,
+                           scaler=training.scaler, loss_fn=training.loss_fn, amp_dtype=cfg.amp_dtype,
+                           micro_sizes=micro_sizes, step_samples=step_samples)
         progress.position, progress.step = done, progress.step + 1
-        run.progress_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)
-        if utils.stop_or_checkpoint_mid_epoch(run, progress, sums, t0=t0, allow_nonfinite=scaler.is_enabled()):
+        progress_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)
+        if utils.stop_or_checkpoint_mid_epoch(progress, sums, t0=t0, cfg=cfg, stop=stop, checkpoint=checkpoint,
+                                              allow_nonfinite=training.scaler.is_enabled()):
             return True
-    # Summing over ranks waits for the slowest, like the original script's barrier, so the time is honest.
-    progress.sums, progress.elapsed_s = utils.all_reduce_sum(sums).tolist(), time.perf_counter() - t0
-    run.progress_log.clear()
+    # The epoch's loss sums over all ranks. This waits for the slowest rank, like the original script's
+    # barrier, so the epoch's time is honest.
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - t0
+    progress_log.clear()
     return False
 
 
@@ -167,7 +229,12 @@ def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int
     """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
     the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
     forward may broadcast, and a rank with an empty shard would not join. The count check: every image once."""
-    utils.broadcast_buffers(model)  # rank 0's BatchNorm statistics on every rank: one model, the one saved
+    # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP
+    # re-sends rank 0's only at the start of a training forward): rank 0's go to every rank, so that all
+    # evaluate the one model rank 0 saves.
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss*n, top-1, top-5, n
     for images, labels in loader:
@@ -179,143 +246,95 @@ def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
         batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
         sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), batch_count])
-    loss_sum, top1, top5, count = utils.all_reduce_sum(sums).tolist()
+    if dist.is_initialized():
+        dist.all_reduce(sums)  # sums, not means: exact whatever the shards' sizes
+    loss_sum, top1, top5, count = sums.tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
     return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5 / count, "val_count": int(count)}
 
 
-def train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock) -> int:
-    """The recipe. Every rank runs all of it; rank 0 alone prints and writes."""
-    device = env.device
-    # ------------------------------------------------------------------ the run's shape: ranks, batch, LR
-    ranks = utils.gather_ranks(env)  # every rank's host and device, for the log and run.json
-    per_rank_batch = args.batch_size // env.world_size  # --batch-size is global: each rank takes its share
-    accum_steps = utils.accumulation_steps(per_rank_batch, args.micro_batch)  # micro-steps of at most --micro-batch
-    lr = utils.scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling)  # LR for the global batch
-    config = utils.run_config(args, env, ranks=ranks, per_rank_batch=per_rank_batch, accum_steps=accum_steps, lr=lr,
-                              amp_dtype=amp_dtype)  # every flag, and what this run made of them
-    utils.log_start(config, env, notes)  # the original script's first lines, the config, the batch split and LR
-
-    # ------------------------------------------------------------------ data
-    train_data, test_data = utils.call_and_agree(load_data, args, env)  # an error on any rank: raised on all
-    data = utils.call_and_agree(dataset_utils.describe_data, train_data, test_data)  # channels, size, classes, stats
-    config["data_spec"] = utils.log_data(data, n_train=len(train_data), n_test=len(test_data))
-    fingerprints = {"train": dataset_utils.fingerprint(train_data), "test": dataset_utils.fingerprint(test_data)}
-    utils.call_and_agree(utils.check_same_data, ckpt, args, data.shape(), fingerprints)  # never continue on other data
-    utils.call_and_agree(utils.check_same_model, ckpt, ckpt_path, model_config(args, data))
-    # Training: each rank's share of every global batch. Test: rank r scores images r, r + world_size, ...
-    train_loader, test_loader = dataset_utils.build_loaders(
-        train_data, test_data, batch_size=args.batch_size, rank=env.rank, world_size=env.world_size,
-        accum_steps=accum_steps, eval_batch=config["micro_batch_size"], seed=args.seed, workers=config["num_workers"],
-        pin_memory=device.type == "cuda", device=dataset_utils.data_device(args.loader, device, train_data, test_data))
-    normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")  # uint8 -> float
-
-    # ------------------------------------------------------------------ model and optimizer
-    utils.seed_everything(args.seed)  # the same initial weights on every rank
-    model = build_model(args, data)
-    if args.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = utils.to_device(model, device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum, nesterov=args.nesterov,
-                                weight_decay=args.weight_decay, fused=device.type == "cuda")  # LR: set every step
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)  # bf16 needs none
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing, reduction="sum")  # train_step averages
-    utils.seed_everything(args.seed + env.rank)  # dropout then differs across ranks, as it should
+def train(cfg, env, found, lock) -> int:
+    """The recipe. Every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint
+    this run continues (utils.find_checkpoint), `lock`: this run's hold on the out-dir."""
+    # ------------------------------------------------------------------ data, then the model and its training
+    data = dataset_utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
+    utils.log_start(cfg, env, data, found)  # the original script's first lines, the config, batch split, LR, data
+    training = build_training(cfg, env, data)
+    model = eval_model = training.model  # the bare model: evaluate() and checkpoints use it
 
     # ------------------------------------------------------------------ resume, then DDP
-    progress = utils.restore_checkpoint(ckpt, ckpt_path, model=model, optimizer=optimizer, scaler=scaler, args=args,
-                                        env=env, config=config)  # where training stands
-    bare_model = eval_model = model  # evaluate() needs no DDP (see there)
+    # What a checkpoint holds. ADAPT: register other state a resume needs (checkpoint.add).
+    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
+                                  model=model, optimizer=training.optimizer, scaler=training.scaler)
+    progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy
-        model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    if args.compile:  # a static graph per shape (the last batch is smaller)
-        model, eval_model = torch.compile(model, dynamic=False), torch.compile(bare_model, dynamic=False)
-
-    def save_state():
-        """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes, unless another
-        run took the out-dir, and all ranks leave together if that write fails."""
-        state = utils.training_state(bare_model, optimizer=optimizer, scaler=scaler, progress=progress, config=config,
-                                     model_config=model_config(args, data), fingerprints=fingerprints, device=device)
-        utils.write_on_main(env, lambda: utils.save_checkpoint(args.out_dir, state, args.keep_checkpoints),
-                            what=f"the checkpoint {utils.describe_progress(progress)}", out_dir=args.out_dir, lock=lock)
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    if cfg.compile:  # a static graph per shape (the last batch is smaller)
+        model, eval_model = torch.compile(model, dynamic=False), torch.compile(eval_model, dynamic=False)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
-    # A full disk is refused now, not after an epoch's work; then the run's files: metrics.jsonl, run.json, ...
-    utils.call_and_agree(utils.check_room_for_checkpoint, args.out_dir, bare_model, optimizer, here=env.is_main)
-    records = utils.Records(args, env, config=config, ranks=ranks, history=progress.history, lock=lock)
+    checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
+    run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, metrics, ...
+    progress_log = utils.ProgressLog(cfg.log_every)
     with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
-        run = utils.RunContext(args, env, amp_dtype, peak_lr=lr, n_train=len(train_data), stop=stop,
-                               progress_log=utils.ProgressLog(args.log_every), save_state=save_state)
-        for epoch in progress.epochs_left(args.epochs):
-            if train_one_epoch(model, train_loader, optimizer=optimizer, scaler=scaler, loss_fn=loss_fn,
-                               normalize=normalize, epoch=epoch, progress=progress, run=run):
+        for epoch in progress.epochs_left(cfg.epochs):
+            if train_one_epoch(model, training, cfg=cfg, epoch=epoch, progress=progress, stop=stop,
+                               checkpoint=checkpoint, progress_log=progress_log):
                 return utils.EXIT_STOPPED  # a stop request mid-epoch, checkpointed: run again to resume
-            stopping = stop.check(device, progress.sums, scaler.is_enabled())  # all ranks agree; a NaN loss raises
-            val = evaluate(eval_model, test_loader, normalize=normalize, device=device, amp_dtype=amp_dtype,
-                           expected_count=len(test_data))
-            metrics = utils.epoch_metrics(epoch, progress, val, optimizer.param_groups[0]["lr"])
-            utils.log_epoch(metrics, args.epochs, n_finite=progress.sums[1])  # the original script's four lines
-            progress.finish_epoch(metrics, args.patience, args.target_accuracy)  # early stopping decided here
-            save_state()
-            records.add_epoch(metrics)
+            stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN raises
+            val = evaluate(eval_model, training.test_loader, normalize=training.normalize, device=env.device,
+                           amp_dtype=cfg.amp_dtype, expected_count=len(data.test))
+            metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg)
+            utils.log_epoch(metrics, cfg.epochs)  # the original script's four lines
+            checkpoint.save(progress)
+            run_files.add_epoch(metrics)
             if progress.stopped_early:
                 utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
                 break
-            if stopping and epoch < args.epochs:  # a stop request at the epoch's end
+            if stopping and epoch < cfg.epochs:  # a stop request at the epoch's end
                 utils.log(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with status "
                           f"{utils.EXIT_STOPPED} to be resumed.")
                 return utils.EXIT_STOPPED
-            if epoch == args.stop_after_epoch and epoch < args.epochs:
+            if epoch == cfg.stop_after_epoch and epoch < cfg.epochs:
                 utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
                 break
-    records.finish(progress, len(train_data), len(test_data))  # summary.json and the original script's summary
+    run_files.finish(progress)  # summary.json and the original script's summary lines
     return 0
 
 
-def evaluate_checkpoint(args, env, ckpt, path, amp_dtype) -> int:
+def evaluate_checkpoint(cfg, env, found) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
-    device = env.device
-    _, test_data = utils.call_and_agree(load_data, args, env, False)
-    data = dataset_utils.DataSpec(**ckpt["config"]["data_spec"])  # the training set's, with its mean and std
-    utils.call_and_agree(utils.check_same_data, ckpt, args, dataset_utils.image_shape(test_data),
-                         {"test": dataset_utils.fingerprint(test_data)})
-    utils.call_and_agree(utils.check_same_model, ckpt, path, model_config(args, data))
-    eval_batch = min(-(-args.batch_size // env.world_size), args.micro_batch or args.batch_size)  # ceil: any world size
-    test_loader = dataset_utils.build_test_loader(test_data, rank=env.rank, world_size=env.world_size,
-                                                  batch_size=eval_batch, workers=0, pin_memory=device.type == "cuda",
-                                                  device=dataset_utils.data_device(args.loader, device, test_data))
-    model = utils.to_device(build_model(args, data), device)
-    model.load_state_dict(ckpt["model"])
-    model = torch.compile(model, dynamic=False) if args.compile else model
-    epoch = ckpt["progress"]["epoch"]
-    utils.log(f"Evaluating {path} ({utils.describe_model(ckpt['model_config'])}, {epoch} of {args.epochs} epochs "
-              f"trained) on {len(test_data)} test images with {env.world_size} processes")
-    normalize = dataset_utils.Normalize(data.mean, data.std, device, channels_last=device.type == "cuda")
-    metrics = evaluate(model, test_loader, normalize=normalize, device=device, amp_dtype=amp_dtype,
-                       expected_count=len(test_data))
-    utils.record_evaluation(metrics, out_dir=args.out_dir, epoch=epoch, env=env, path=path)  # two lines, eval.json
+    data = dataset_utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
+    training = build_training(cfg, env, data)
+    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model)
+    progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
+    model = torch.compile(training.model, dynamic=False) if cfg.compile else training.model
+    utils.log(f"Evaluating {found.path} ({found.describe_model()}, {progress.epoch} of {cfg.epochs} epochs "
+              f"trained) on {len(data.test)} test images with {env.world_size} processes")
+    metrics = evaluate(model, training.test_loader, normalize=training.normalize, device=env.device,
+                       amp_dtype=cfg.amp_dtype, expected_count=len(data.test))
+    utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path)  # eval.json
     return 0
 
 
 def main(args, explicit=frozenset()) -> int:
-    """Set up the processes, the out-dir and the checkpoint, then train (or only evaluate); tear down whatever
-    happens. A UserError ends every rank with exit status 2 and one line from rank 0 (from all if rendezvous failed)."""
-    env, lock = utils.read_dist_env(), None
+    """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
+    evaluate); tear down whatever happens. A UserError ends every rank with one line from rank 0 and exit
+    status 2 (74 for a failed write)."""
+    lock = None
     try:
-        env.device = utils.pick_device(args.device, env.local_rank)
-        utils.init_distributed(env, args.timeout)  # NCCL on GPUs, gloo on CPU
-        utils.check_args(args, env.world_size, env.device)  # after init, so that the ranks can wait for rank 0 to say why
-        lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir; evaluation only reads
-        ckpt, ckpt_path, notes = utils.find_checkpoint(args, explicit, env)
-        amp_dtype = utils.resolve_amp(args.amp, env.device)
+        env = utils.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
+        utils.check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
+        lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir
+        found = utils.find_checkpoint(args, explicit, env)  # the checkpoint to continue, and the flags it rules
+        cfg = utils.make_config(args, env, found)  # every flag and what the world makes of them, computed once
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
-        if args.evaluate:
-            return evaluate_checkpoint(args, env, ckpt, ckpt_path, amp_dtype)
-        return train(args, env, ckpt, ckpt_path, notes, amp_dtype, lock)
+        return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)
     except utils.UserError as e:
         return utils.leave_on_user_error(e)
-    finally:
+    finally:  # the lock, then the process group: every rank, whatever happened
         if lock:
             lock.release()
         if dist.is_initialized():
@@ -323,4 +342,4 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(utils.run_cli(main, get_args_parser()))  # parses the flags; Ctrl-C and dead peers said in a line
+    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line

@@ -1,5 +1,5 @@
 # Shared by the job scripts in jobs/: sourced, not run. What every job needs:
-#   RECIPE           the training configuration (a full WRN-16-8 run), before the script's arguments
+#   RECIPE           the training preset (--recipe wrn-paper: a full WRN-16-8 run), before the script's arguments
 #   job_summary      what Slurm granted, printed at the start of the log (print_recipe: the recipe)
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
 #   NPROC, MASTER_ADDR, MASTER_PORT   ranks per node, and where torchrun's ranks meet
@@ -23,22 +23,16 @@ job_summary() {
 
 # The training run's arguments: the recipe, then the job script's own, which override it.
 print_recipe() {
-    echo "=== recipe (jobs/lib.sh): ${RECIPE[*]}"
+    echo "=== recipe: ${RECIPE[*]} (train_ddp.py --help lists what it sets)"
     echo "=== arguments after the script (these win): ${*:-none}"
 }
 
-# The training recipe every job script runs, printed at the start of the log. train_ddp.py's own
-# defaults are the original script's 5-epoch smoke run (the Olivia guide's train_ddp.py); this is a
-# full run: the WRN paper's WRN-16-8 recipe for CIFAR-100 (Zagoruyko & Komodakis 2016,
-# arXiv:1605.07146: SGD, LR 0.1 for a batch of 128, Nesterov momentum 0.9, weight decay 5e-4,
-# 200 epochs, LR x0.2 at epochs 60, 120 and 160), carried to a global batch of 512 by the linear
-# rule (LR 0.4), with a 5-epoch warm-up for the larger batch (Goyal et al. 2017). The paper
-# reports 79.6% top-1 for WRN-16-8 with this recipe at batch 128.
-# Arguments after the job script come later on the command line, so they override any of these:
+# The training recipe every job script runs, printed at the start of the log: train_ddp.py's preset
+# wrn-paper (RECIPES in train_ddp.py: the WRN paper's WRN-16-8 for CIFAR-100, 200 epochs, carried to a
+# global batch of 512). train_ddp.py's own defaults are the original script's 5-epoch smoke run.
+# Flags after the job script override any value the preset sets, whatever their order:
 #   sbatch jobs/multigpu.sh --epochs 100 --batch-size 1024   (the LR follows the batch: 0.8)
-RECIPE=(--depth 16 --widen-factor 8 --dropout 0 --epochs 200 --batch-size 512
-        --base-lr 0.1 --reference-batch-size 128 --lr-scaling linear --warmup-epochs 5
-        --lr-schedule step --momentum 0.9 --nesterov --weight-decay 5e-4)
+RECIPE=(--recipe wrn-paper)
 
 # Apptainer: --nv exposes the GPUs; bind the project and the data so both are visible inside.
 LAUNCH=()

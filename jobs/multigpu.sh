@@ -1,7 +1,7 @@
 #!/bin/bash
 # One node, N GPUs: torchrun --standalone starts one process per GPU that Slurm granted.
 #
-#   sbatch jobs/multigpu.sh                                     # a full WRN-16-8 run (RECIPE in jobs/lib.sh)
+#   sbatch jobs/multigpu.sh                                     # a full WRN-16-8 run (--recipe wrn-paper)
 #   sbatch --gpus=2 --time=00:30:00 jobs/multigpu.sh --epochs 30  # any #SBATCH line, overridden
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multigpu.sh         # inside Apptainer (see jobs/wrn-ddp.def)
 #

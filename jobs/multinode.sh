@@ -2,7 +2,7 @@
 # N nodes x G GPUs: srun starts one torchrun per node; they meet through c10d rendezvous on the
 # allocation's first node and start G processes each.
 #
-#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs, the full recipe (jobs/lib.sh)
+#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs, the full recipe (--recipe wrn-paper)
 #   sbatch --nodes=4 jobs/multinode.sh --epochs 100 --batch-size 2048
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multinode.sh
 #   MIN_NODES=1 sbatch --no-kill jobs/multinode.sh             # elastic: survive losing nodes (below)

@@ -3,7 +3,7 @@
 # size from SLURM_PROCID, SLURM_LOCALID and SLURM_STEP_NUM_TASKS, and the master from the
 # allocation. Works on one node or several.
 #
-#   sbatch jobs/srun_direct.sh                      # the full recipe (RECIPE in jobs/lib.sh)
+#   sbatch jobs/srun_direct.sh                      # the full recipe (--recipe wrn-paper)
 #   sbatch --nodes=2 jobs/srun_direct.sh --epochs 30
 #SBATCH --job-name=wrn_srun
 #SBATCH --output=srun_%j.out

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -44,12 +45,17 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     from `cwd` (the project directory unless told)."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads, **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def threads_per_rank(nproc: int) -> str:
+    """The thread count every launched run gets (launch and start alike), whatever the caller's environment:
+    runs whose numbers are compared must sum in the same order."""
+    return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
 def job_recipe() -> list:
@@ -57,6 +63,18 @@ def job_recipe() -> list:
     out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && printf "%s\\n" "${RECIPE[@]}"'],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return out.splitlines()
+
+
+def loaders_both_ways(data, *, rank, device, batch_size, eval_batch, epoch, start):
+    """The (train, test) loaders of `data` on rank `rank` of 2, as DataLoaders and as DeviceLoaders on `device`,
+    the training ones set to `epoch` from position `start`: ((torch_train, torch_test), (dev_train, dev_test))."""
+    import dataset_utils as du
+    common = dict(batch_size=batch_size, rank=rank, world_size=2, accum_steps=1, eval_batch=eval_batch, seed=5,
+                  workers=0, pin_memory=False)
+    pairs = du.build_loaders(data, data, **common), du.build_loaders(data, data, **common, device=device)
+    for train, _ in pairs:
+        train.batch_sampler.set_epoch(epoch, start=start)
+    return pairs
 
 
 def read_jsonl(path):
@@ -165,17 +183,22 @@ def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
     cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
     f = open(log, "w")
     proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc),
+                                 **(env or {})}, start_new_session=True)
     STARTED.append(proc)
     return proc, log
 
 
-@contextlib.contextmanager
-def paused(proc):
-    """A launcher started by start() and its ranks stopped (SIGSTOP) while the block runs: what the block
-    does (a stop file, a full disk) lands at a known point of training, however fast the machine is."""
-    pids = [proc.pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+def launcher_and_ranks(proc):
+    """The pids of a launcher start() started and of its ranks."""
+    return [proc.pid] + [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                         text=True).stdout.split()]
+
+
+@contextlib.contextmanager
+def paused(pids):
+    """The processes `pids` (a training's launcher and ranks) stopped (SIGSTOP) while the block runs: what the
+    block does (a stop file, a signal, a full disk) lands at a known point of training, however fast the machine."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -214,7 +237,7 @@ def assert_one_line(output, *parts):
     assert len(errors) == 1, output  # from rank 0 alone
     for part in parts:
         assert part in errors[0], errors[0]
-    assert 'train_ddp.py", line' not in output and 'train_utils.py", line' not in output  # no traceback of ours
+    assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)  # no traceback of ours
     assert "timed out" not in output and "lost another rank" not in output  # the cause, not a hang after it
     return errors[0]
 

@@ -112,7 +112,7 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
 # --------------------------------------------------------------------------- other shapes and class counts
 
 SHAPED_LOAD_DATA = '''
-def load_data(args, env, train: bool = True):
+def load_data(cfg, env, train: bool = True):
     """Generated {c} x {h} x {w} images of {k} classes: a level per channel and a stripe per class, plus noise."""
     fixed = torch.Generator().manual_seed(7)  # the class patterns, shared by both splits
     level = torch.rand({k}, {c}, 1, 1, generator=fixed) * 150 + 50
@@ -183,14 +183,14 @@ def test_resume_on_data_of_another_shape_is_refused_in_one_line(tmp_path):
 # --------------------------------------------------------------------------- a Dataset of image files
 
 FOLDER_LOAD_DATA = '''
-def load_data(args, env, train: bool = True):
+def load_data(cfg, env, train: bool = True):
     """An ImageFolder of PNG files under --data-dir/{train,test}, read by the DataLoader's workers."""
     import os
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
 
     def folder(name):  # PIL reads the files as RGB: one grey channel back, as uint8 C x H x W
-        data = ImageFolder(os.path.join(args.data_dir, name), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
+        data = ImageFolder(os.path.join(cfg.data_dir, name), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
         data.mean, data.std = (0.286,), (0.353,)  # stated: computing them would read every file
         return data
 
@@ -267,14 +267,14 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
 # --------------------------------------------------------------------------- another model
 
 SMALL_CNN = '''
-def build_model(args, data: dataset_utils.DataSpec) -> nn.Module:
+def build_model(cfg, data) -> nn.Module:
     """A small CNN: no depth, no width."""
     return nn.Sequential(nn.Conv2d(data.channels, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, data.num_classes))
 '''
 SMALL_CNN_CONFIG = '''
-def model_config(args, data: dataset_utils.DataSpec) -> dict:
+def model_config(cfg, data) -> dict:
     return {"name": "SmallCNN", "in_channels": data.channels, "num_classes": data.num_classes}
 '''
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from support import (ACCUM_RUN, CKPT_RUN, TINY, assert_close_models, assert_same_weights, launch, load_model_state,
-                     paused, read_json, read_jsonl, start, text, wait_for, write_cifar100)
+                     launcher_and_ranks, paused, read_json, read_jsonl, start, text, wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
@@ -53,7 +53,7 @@ def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, uninte
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     proc, log = start([*CKPT_RUN, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
     wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
-    with paused(proc):  # lands in epoch 2 however fast the machine is
+    with paused(launcher_and_ranks(proc)):  # lands in epoch 2 however fast the machine is
         stop_file.touch()  # what the job scripts do when Slurm signals them; seen at the next check
     assert proc.wait(timeout=120) != 0  # the ranks exit 75; torchrun reports the failure
     output = text(log)
@@ -78,7 +78,7 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     launch([*run, "--out-dir", reference], nproc=2)
     proc, log = start([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
     wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
-    with paused(proc):  # lands in epoch 2 however fast the machine is
+    with paused(launcher_and_ranks(proc)):  # lands in epoch 2 however fast the machine is
         stop_file.touch()
     assert proc.wait(timeout=120) != 0
     assert "Global batch 48 = 2 ranks x 24" in text(log) and "Stop requested (stop file" in text(log)

@@ -6,11 +6,9 @@ different nodes meet only across the nodes' addresses, as on separate hosts; pla
 a GRES, so Slurm grants --gpus and sets SLURM_GPUS_ON_NODE; without CUDA the ranks train on CPU
 with gloo. It needs root (and network namespaces); elsewhere these tests are skipped.
 """
-import contextlib
 import datetime
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import ROOT, TINY, fill, job_recipe, launch, load_model_state, read_json, read_jsonl
+from support import ROOT, TINY, fill, job_recipe, launch, load_model_state, paused, read_json, read_jsonl
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -83,21 +81,12 @@ def wait_for_line(job_id, log, line, timeout=300):
         time.sleep(0.2)
 
 
-@contextlib.contextmanager
-def paused_training(out, log):
-    """The job's training processes (torchrun and its ranks, or srun's tasks: those with `out` on their
-    command line) stopped with SIGSTOP while the block runs, so that what it does lands before training
-    goes on, whatever the machine's speed."""
+def training_pids(out, log):
+    """The job's training processes: torchrun and its ranks, or srun's tasks (those with `out` on their command line)."""
     pids = [int(p) for p in subprocess.run(["pgrep", "-f", f"train_ddp.py .*{out}"], capture_output=True,
                                            text=True).stdout.split()]
     assert pids, read(log)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+    return pids
 
 
 def read(path):
@@ -119,9 +108,9 @@ def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
     assert "Training completed successfully." in text
     summary = read_json(out / "summary.json")
     assert summary["world_size"] == 2 and summary["gpus_per_node"] == 2 and summary["nodes"] == 1
-    # The job runs the recipe of jobs/lib.sh (printed at the start), and the arguments after the script win.
-    assert "=== recipe (jobs/lib.sh): --depth 16 --widen-factor 8" in text
+    # The job runs the wrn-paper preset (named at the start), and the arguments after the script win.
     config = summary["config"]
+    assert "=== recipe: --recipe wrn-paper" in text and config["recipe"] == "wrn-paper"
     assert config["nesterov"] and config["lr_schedule"] == "step" and config["reference_batch_size"] == 128
     assert (config["depth"], config["epochs"], config["batch_size"]) == (10, 2, 32)
     assert summary["epochs_completed"] == 2 and summary["finished"] is True
@@ -181,7 +170,7 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     while not (seen / "run" / "metrics.jsonl").exists() or len(read_jsonl(seen / "run" / "metrics.jsonl")) < 1:
         assert time.time() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING"), read(log)
         time.sleep(0.1)
-    with paused_training(out, log):
+    with paused(training_pids(out, log)):
         fill(seen, 64 * 1024)  # during epoch 2: its checkpoint cannot be written
     filled = time.time()
     assert wait_job(job, log, timeout=300) == "FAILED", read(log)
@@ -202,7 +191,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slur
     wait_for_line(job, log, "Global batch")  # the ranks have met; training is about to start
     # The signal must land before training ends, however fast this machine is: the training is paused
     # until the job's shell has taken it.
-    with paused_training(out, log):
+    with paused(training_pids(out, log)):
         # Slurm's time-limit warning (--signal=B:USR1@180) or a preemption notice, sent by hand.
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
         wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop")

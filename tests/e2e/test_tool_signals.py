@@ -176,7 +176,7 @@ def test_bench_stops_at_once_on_sigterm_in_the_timed_steps(launched, tmp_path):
                   "--steps", 100_000, "--warmup", 1, "--json", tmp_path / "b.json"], tmp_path)
     p.wait_until(lambda: p.printed("timing the recipe's step"), "timing line")
     p.wait_until(lambda: len(session_members(p.pid)) >= 3, "two DataLoader workers")
-    time.sleep(1.0)  # into the steps
+    p.wait_until(lambda: p.printed("the timed steps begin"), "the timed steps")
     code, seconds = p.signal(signal.SIGTERM)
     assert_stopped(p, code, seconds, signal.SIGTERM, "bench.py: stopped by SIGTERM")
     assert not (tmp_path / "b.json").exists()
@@ -212,7 +212,7 @@ def test_bench_under_torchrun_every_rank_stops_on_sigterm(launched, tmp_path):
                  "rank 0's timing line", 90)
     ranks = children(p.pid)
     assert len(ranks) == 2 and all(catches(r, signal.SIGTERM) for r in ranks)
-    time.sleep(1.0)  # into the steps
+    p.wait_until(lambda: p.printed("the timed steps begin", rank_file(0, "stdout")), "rank 0's timed steps", 90)
     code, seconds = p.signal(signal.SIGTERM)
     assert code not in (None, 0) and seconds < EXIT_WITHIN_S, (code, seconds, p.output())
     assert not any(alive(r) for r in ranks)

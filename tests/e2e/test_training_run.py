@@ -45,15 +45,19 @@ def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir,
 
 
 def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
-    """The README's first run on a laptop: its synthetic classes can be learned, so it ends far above
-    chance (1%), at 50% top-1 or more."""
+    """The README's first run on a laptop, the cpu-try preset: its synthetic classes can be learned, so it
+    ends far above chance (1%), at 50% top-1 or more; config.json records the preset and every value."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        command = next(line for line in f if line.startswith(".venv/bin/python train_ddp.py --dataset synthetic"))
-    args = command.split()[2:]
-    args[args.index("--out-dir") + 1] = str(tmp_path / "cpu-try")
-    proc = launch([*args, "--log-every", 0], torchrun=False)
+        command = next(line for line in f if line.startswith(".venv/bin/python train_ddp.py --recipe cpu-try"))
+    args = command.split("#")[0].split()[2:]
+    assert args == ["--recipe", "cpu-try"], command  # the first command stays short
+    out = tmp_path / "cpu-try"
+    proc = launch([*args, "--out-dir", out, "--log-every", 0], torchrun=False)
     accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] >= 0.5 and accuracies[0] < accuracies[-1], proc.stdout
+    config = read_json(out / "config.json")
+    assert config["recipe"] == "cpu-try" and (config["depth"], config["widen_factor"], config["epochs"]) == (10, 2, 3)
+    assert config["out_dir"] == str(out) and config["lr"] == 0.1 and config["eval_batch"] == 128
 
 
 def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):

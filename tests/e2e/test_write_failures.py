@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from support import TINY, assert_one_line, fill, launch, load_model_state, paused, read_jsonl, start, text, wait_for
+from support import (TINY, assert_one_line, fill, launch, launcher_and_ranks, load_model_state, paused, read_jsonl, start,
+                     text, wait_for)
 
 # 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
 RUN = ["--dataset", "synthetic", "--train-size", 1600, "--test-size", 64, "--batch-size", 32, "--epochs", 3,
@@ -116,7 +117,7 @@ def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(s
     # Leave exactly the pages epoch 2's checkpoint will take (epoch 1's, and the one more row of history
     # it holds), and not one for the metrics row written after it; --keep-checkpoints 3: no rotation frees any.
     pages = -(-(os.path.getsize(out / "checkpoint.pt") + reference[1]) // 4096)
-    with paused(proc):  # the disk fills during epoch 2, however fast the machine is
+    with paused(launcher_and_ranks(proc)):  # the disk fills during epoch 2, however fast the machine is
         filler = fill(small_fs, pages * 4096)
     filled = time.time()
     assert proc.wait(timeout=120) != 0
@@ -136,7 +137,7 @@ def test_full_disk_under_elastic_restarts_says_the_same_line_quickly_on_every_at
     out = small_fs / "run"
     proc, log = start([*RUN, "--out-dir", out], nproc=2, extra=["--max-restarts=2"], log=small_fs.parent / "run.log")
     wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 1's end")
-    with paused(proc):  # the disk fills during epoch 2, however fast the machine is
+    with paused(launcher_and_ranks(proc)):  # the disk fills during epoch 2, however fast the machine is
         fill(small_fs, 64 * 1024)
     filled = time.time()
     assert proc.wait(timeout=120) != 0

@@ -13,19 +13,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
-from train_utils import init_distributed, read_dist_env, seed_everything, unwrap  # noqa: E402
+from machinery.launch import init_distributed  # noqa: E402
 
 def step_and_save():
     """The step; its DDP model lives only in here, so that it is gone before the process group is."""
     out, batch = sys.argv[1], int(sys.argv[2])
     args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
-    env = read_dist_env()
-    init_distributed(env, timeout_s=60)
+    env = init_distributed("cpu", timeout_s=60)
     data = du.load_split("synthetic", "", True, size=batch)
     loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
                                  eval_batch=batch, seed=0, workers=0, pin_memory=False)
-    seed_everything(0)
-    model = train_ddp.build_model(args, du.describe_data(data, data))
+    torch.manual_seed(0)
+    model = train_ddp.build_model(args, du.measure_data(data, data))
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.eval()  # train_step leaves the mode to its caller
@@ -43,7 +42,7 @@ def step_and_save():
     train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
                          amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples)
     if env.is_main:
-        torch.save(unwrap(model).state_dict(), out)
+        torch.save(getattr(model, "module", model).state_dict(), out)
 
 
 step_and_save()

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import train_utils  # noqa: E402
+from machinery.checkpoints import save_checkpoint  # noqa: E402
 
 
 def state(epoch):
@@ -21,7 +21,7 @@ def state(epoch):
 
 out_dir, moment = sys.argv[1], sys.argv[2]
 for epoch in (1, 2):
-    train_utils.save_checkpoint(out_dir, state(epoch), keep=2)
+    save_checkpoint(out_dir, state(epoch), keep=2)
 
 if moment == "mid-write":
     real_save = torch.save
@@ -41,5 +41,5 @@ else:
             os.kill(os.getpid(), signal.SIGKILL)
         real_replace(src, dst)
     os.replace = die_before_rename
-train_utils.save_checkpoint(out_dir, state(3), keep=2)
+save_checkpoint(out_dir, state(3), keep=2)
 raise SystemExit("not killed")

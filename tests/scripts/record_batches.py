@@ -13,12 +13,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
-from train_utils import all_gather, init_distributed, read_dist_env  # noqa: E402
+from machinery.errors import all_gather  # noqa: E402
+from machinery.launch import init_distributed  # noqa: E402
 
 data_dir, out, per_rank_batch, epochs, workers = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 image_folder = sys.argv[6:] == ["imagefolder"]
-env = read_dist_env()
-init_distributed(env, timeout_s=60)
+env = init_distributed("cpu", timeout_s=60)
 if image_folder:
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
-from train_utils import read_dist_env, seed_everything, unwrap  # noqa: E402
+from machinery.launch import read_dist_env  # noqa: E402
 
 def step_and_save():
     """The step; its DDP model lives only in here, so that it is gone before the process group is."""
@@ -35,8 +35,8 @@ def step_and_save():
     data = du.load_split("synthetic", "", True, size=batch)
     loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
                                  eval_batch=batch, seed=0, workers=0, pin_memory=False, device=device)
-    seed_everything(0)
-    model = train_ddp.build_model(args, du.describe_data(data, data))
+    torch.manual_seed(0)
+    model = train_ddp.build_model(args, du.measure_data(data, data))
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device).train()
@@ -53,7 +53,7 @@ def step_and_save():
                              loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch)
         break
     if env.is_main:
-        torch.save({k: v.cpu() for k, v in unwrap(model).state_dict().items()}, out)
+        torch.save({k: v.cpu() for k, v in getattr(model, "module", model).state_dict().items()}, out)
 
 
 step_and_save()

@@ -1,7 +1,9 @@
-"""Checkpoint files (train_utils.save_checkpoint, load_latest_checkpoint, check_checkpoint_format): a
-kill -9 at any moment of a save leaves the newest complete checkpoint loadable and the next save tidies
-up; a checkpoint holding pickled code is refused without running it; and a checkpoint of an older
-train_ddp.py (one that lacks any key this version reads) is refused in one line."""
+"""Checkpoint files and format (machinery.checkpoints; train_utils.Checkpoint, the registry of what a
+checkpoint holds): a kill -9 at any moment of a save leaves the newest complete checkpoint loadable and
+the next save tidies up; a checkpoint holding pickled code is refused without running it; a checkpoint of
+an older train_ddp.py (one that lacks any key this version requires) is refused in one line, while one
+that lacks only optional state an option added later resumes, saying what stands in for it; and the
+room check sizes the optimizer's real state."""
 import copy
 import os
 import signal
@@ -15,8 +17,10 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from train_utils import (DistEnv, Progress, UserError, check_checkpoint_format, load_checkpoint, load_latest_checkpoint,
-                         run_config, save_checkpoint, training_state)
+from machinery.checkpoints import (Found, check_format, load_checkpoint, load_latest_checkpoint, save_checkpoint,
+                                   state_bytes)
+from machinery.errors import UserError
+from train_utils import Checkpoint, DistEnv, Progress, make_config
 
 
 @pytest.mark.parametrize("moment, survivor", [("mid-write", "checkpoint.pt"), ("before-rename", "checkpoint.1.pt")])
@@ -42,29 +46,81 @@ def test_checkpoint_holding_pickled_code_is_refused(tmp_path):
     assert not (tmp_path / "owned").exists()
 
 
+def build_run(out_dir, flags=()):
+    """A tiny run's config, data and training, as train() makes them, on one CPU process."""
+    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--batch-size", "32",
+                                                   "--dataset", "synthetic", "--out-dir", str(out_dir), *flags])
+    env = DistEnv()
+    cfg = make_config(args, env)
+    split = du.load_split("synthetic", "", True, size=64)
+    data = du.CheckedData(split, split, du.measure_data(split, split), {"train": du.fingerprint(split),
+                                                                         "test": du.fingerprint(split)}, None)
+    return cfg, env, data, train_ddp.build_training(cfg, env, data)
+
+
+def registry(cfg, env, data, training):
+    return Checkpoint(cfg, env, data, model_config=train_ddp.model_config(cfg, data.spec), model=training.model,
+                      optimizer=training.optimizer, scaler=training.scaler)
+
+
 @pytest.fixture(scope="module")
 def current_checkpoint(tmp_path_factory):
-    """A checkpoint as this version writes it (training_state, as train() calls it), saved and loaded back."""
-    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--batch-size", "32",
-                                                   "--dataset", "synthetic"])
-    data = du.load_split("synthetic", "", True, size=64)
-    spec = du.describe_data(data, data)
-    config = run_config(args, DistEnv(), ranks=[{"host": "here"}], per_rank_batch=32, accum_steps=1, lr=0.01,
-                        amp_dtype=None)
-    config["data_spec"] = asdict(spec)
-    model = train_ddp.build_model(args, spec)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    state = training_state(model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
-                           progress=Progress(), config=config, model_config=train_ddp.model_config(args, spec),
-                           fingerprints={"train": du.fingerprint(data), "test": du.fingerprint(data)},
-                           device=torch.device("cpu"))
+    """A checkpoint as this version writes it (Checkpoint.save, as train() calls it), loaded back."""
     out = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint(str(out), state, keep=2)
+    registry(*build_run(out)).save(Progress())
     return load_checkpoint(str(out / "checkpoint.pt"), torch.device("cpu"))
 
 
 def test_a_checkpoint_of_this_version_passes_the_format_check(current_checkpoint):
-    check_checkpoint_format(current_checkpoint, "checkpoint.pt")
+    check_format(current_checkpoint, "checkpoint.pt", required=("model", "optimizer", "scaler"),
+                 progress_keys=list(asdict(Progress())))
+
+
+def test_optional_state_absent_from_an_older_checkpoint_is_started_as_registered_and_said(tmp_path, capsys):
+    """An option's state (an EMA, say) added after a checkpoint was written: that checkpoint still resumes,
+    the registered stand-in is applied, one note says so; present, it is restored like the rest."""
+    cfg, env, data, training = build_run(tmp_path)
+    registry(cfg, env, data, training).save(Progress())  # written before the option existed
+    found = Found(load_checkpoint(str(tmp_path / "checkpoint.pt"), torch.device("cpu")), str(tmp_path / "checkpoint.pt"))
+    extra, started = torch.nn.Linear(2, 2), []
+    checkpoint = registry(cfg, env, data, training)
+    checkpoint.add("extra", extra, when_absent="it starts afresh", start_absent=lambda: started.append(True))
+    checkpoint.restore(found)
+    assert started == [True]
+    assert f"note: {found.path} holds no extra (written before it was added): it starts afresh" in capsys.readouterr().out
+    with torch.no_grad():
+        extra.weight.fill_(3.0)
+    checkpoint.save(Progress(epoch=1))  # now it holds it
+    other = torch.nn.Linear(2, 2)
+    again = registry(cfg, env, data, training)
+    again.add("extra", other, when_absent="it starts afresh", start_absent=lambda: started.append(False))
+    again.restore(Found(load_checkpoint(found.path, torch.device("cpu")), found.path))
+    assert started == [True] and torch.equal(other.weight, torch.full((2, 2), 3.0))
+
+
+def test_required_state_absent_is_refused_as_an_older_checkpoint(tmp_path):
+    cfg, env, data, training = build_run(tmp_path)
+    registry(cfg, env, data, training).save(Progress())
+    ckpt = load_checkpoint(str(tmp_path / "checkpoint.pt"), torch.device("cpu"))
+    del ckpt["optimizer"]
+    with pytest.raises(UserError, match="was written by an older train_ddp.py .it lacks optimizer"):
+        registry(cfg, env, data, training).restore(Found(ckpt, "checkpoint.pt"))
+
+
+@pytest.mark.parametrize("optimizer, moments", [("sgd-momentum", 1), ("adam", 2), ("sgd-plain", 0)])
+def test_the_room_check_sizes_the_optimizer_s_real_state_before_its_first_step(optimizer, moments):
+    """SGD with momentum keeps one buffer per parameter, Adam two (and a step count), plain SGD none:
+    the size the room check uses, measured before any step, is what a checkpoint after one step holds."""
+    model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.BatchNorm1d(50))
+    make = {"sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adam": lambda p: torch.optim.Adam(p, lr=0.1), "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.1)}[optimizer]
+    opt = make(model.parameters())
+    before = state_bytes(opt)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert moments * params <= before <= moments * params + 64 * len(list(model.parameters()))
+    model(torch.randn(4, 100)).sum().backward()
+    opt.step()
+    assert before == state_bytes(opt)  # measured after the first step: the same
 
 
 @pytest.mark.parametrize("missing", ["config.data_spec", "config.accumulation_steps", "config.micro_batch_size",
@@ -78,7 +134,8 @@ def test_a_checkpoint_that_lacks_a_key_this_version_reads_is_refused_as_older_in
         holder = holder[parent]
     del holder[key]
     with pytest.raises(UserError) as e:
-        check_checkpoint_format(ckpt, "/runs/x/checkpoint.pt")
+        check_format(ckpt, "/runs/x/checkpoint.pt", required=("model", "optimizer", "scaler"),
+                     progress_keys=list(asdict(Progress())))
     message = str(e.value)
     assert message.startswith("/runs/x/checkpoint.pt was written by an older train_ddp.py") and "\n" not in message
     assert missing in message or missing == "config", message  # it names what is missing (a whole config: its keys)

@@ -8,7 +8,7 @@ import torch
 
 import dataset_utils as du
 from support import write_cifar100
-from train_utils import UserError
+from machinery.errors import UserError
 
 
 def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch):

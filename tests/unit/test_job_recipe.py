@@ -1,25 +1,48 @@
-"""The recipe the job scripts run (RECIPE in jobs/lib.sh): the WRN paper's, carried to its batch; the
-arguments after a job script override it; train_ddp.py's own defaults stay the original script's smoke run."""
+"""Presets in Python (--recipe NAME, RECIPES in train_ddp.py): wrn-paper is the WRN paper's recipe, carried
+to its batch, and the job scripts run it by name; flags given on the command line win whatever their order;
+--help lists each preset and what it sets; with no --recipe the defaults stay the original script's smoke run."""
+import pytest
+
+from machinery.cli import parse_flags
 from support import ROOT, job_recipe
-from train_ddp import get_args_parser
+from train_ddp import RECIPES, get_args_parser
 
 
-def test_the_job_recipe_is_the_wrn_papers_carried_to_its_batch_and_arguments_override_it():
-    parser = get_args_parser()
-    recipe = parser.parse_args(job_recipe())
+def parse(argv):
+    return parse_flags(get_args_parser(), RECIPES, argv)
+
+
+def test_wrn_paper_is_the_wrn_papers_recipe_carried_to_its_batch():
+    recipe, given = parse(["--recipe", "wrn-paper"])
     # WRN-16-8, 200 epochs, SGD with Nesterov momentum 0.9, weight decay 5e-4, LR 0.1 per 128 samples,
     # x0.2 at 30/60/80% of training (epochs 60, 120, 160), warm-up for the larger batch.
-    assert (recipe.depth, recipe.widen_factor, recipe.epochs) == (16, 8, 200)
+    assert (recipe.depth, recipe.widen_factor, recipe.epochs, recipe.batch_size) == (16, 8, 200, 512)
     assert recipe.nesterov and recipe.momentum == 0.9 and recipe.weight_decay == 5e-4
     assert (recipe.base_lr, recipe.reference_batch_size, recipe.lr_scaling) == (0.1, 128, "linear")
     assert recipe.lr_schedule == "step" and recipe.warmup_epochs >= 1
-    # The job scripts put the user's arguments after the recipe: the last one wins.
-    override = parser.parse_args([*job_recipe(), "--epochs", "30", "--no-nesterov"])
-    assert override.epochs == 30 and not override.nesterov and override.depth == 16
-    # train_ddp.py's own defaults stay the original script's smoke run, and --help says where the recipe is.
-    defaults = parser.parse_args([])
-    assert (defaults.epochs, defaults.batch_size, defaults.base_lr) == (5, 512, 0.01)
-    assert "jobs/lib.sh" in parser.format_help()
+    assert set(RECIPES["wrn-paper"]) <= given  # the preset's values count as asked for (a resume keeps them)
+
+
+@pytest.mark.parametrize("argv", [["--recipe", "wrn-paper", "--epochs", "30", "--no-nesterov"],
+                                  ["--epochs", "30", "--no-nesterov", "--recipe", "wrn-paper"]])
+def test_flags_given_win_over_the_preset_whatever_their_order(argv):
+    args, _ = parse(argv)
+    assert args.epochs == 30 and not args.nesterov and args.depth == 16 and args.recipe == "wrn-paper"
+
+
+def test_without_a_recipe_the_defaults_stay_the_original_script_s_smoke_run_and_help_lists_the_presets():
+    defaults, given = parse([])
+    assert (defaults.epochs, defaults.batch_size, defaults.base_lr, defaults.recipe) == (5, 512, 0.01, None)
+    assert given == set()
+    parser = get_args_parser()
+    parse_flags(parser, RECIPES, [])
+    text = " ".join(parser.format_help().split())
+    assert "--recipe wrn-paper: --depth 16 --widen-factor 8" in text and "--nesterov" in text
+    assert "--recipe cpu-try: --dataset synthetic" in text
+
+
+def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_after_it():
+    assert job_recipe() == ["--recipe", "wrn-paper"]
     for script in ("multigpu.sh", "multinode.sh", "srun_direct.sh"):
         text = open(f"{ROOT}/jobs/{script}").read()
         assert 'train_ddp.py "${RECIPE[@]}" "$@"' in text and 'print_recipe "$@"' in text, script

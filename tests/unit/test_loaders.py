@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dataset_utils as du
-from support import index_images
+from support import index_images, loaders_both_ways
 
 
 class Files(list):
@@ -70,12 +70,8 @@ def test_both_loaders_yield_identical_batches_for_any_image_shape(shape):
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (150, *shape), dtype=torch.uint8, generator=g), torch.arange(150))
     for rank in range(2):
-        common = dict(batch_size=32, rank=rank, world_size=2, accum_steps=1, eval_batch=16, seed=5, workers=0,
-                      pin_memory=False)
-        torch_train, torch_test = du.build_loaders(data, data, **common)
-        dev_train, dev_test = du.build_loaders(data, data, **common, device=torch.device("cpu"))
-        torch_train.batch_sampler.set_epoch(1, start=64)
-        dev_train.batch_sampler.set_epoch(1, start=64)
+        (torch_train, torch_test), (dev_train, dev_test) = loaders_both_ways(
+            data, rank=rank, device=torch.device("cpu"), batch_size=32, eval_batch=16, epoch=1, start=64)
         a, b = list(torch_train), list(dev_train)
         assert len(a) == len(b) == 3 and all(x.shape[1:] == shape for x, _ in a)
         assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
@@ -88,7 +84,7 @@ def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
     items = Files([(torch.full((1, 8, 8), i, dtype=torch.uint8), label) for i, label in
                    enumerate([torch.tensor(0, dtype=torch.int32), np.int64(1), 1, torch.tensor(0)])])
     items.mean, items.std = (0.5,), (0.25,)
-    assert du.describe_data(items, items).num_classes == 2
+    assert du.measure_data(items, items).num_classes == 2
     train, test = du.build_loaders(items, items, batch_size=4, rank=0, world_size=1, accum_steps=1, eval_batch=4, seed=0,
                                    workers=0, pin_memory=False)
     train.batch_sampler.set_epoch(1)

@@ -1,4 +1,4 @@
-"""train_utils.OutDirLock, in-process: a lock whose owner lives is refused in one line naming it; one
+"""machinery.lock.OutDirLock, in-process: a lock whose owner lives is refused in one line naming it; one
 whose owner is gone (its process on this host, its node's heartbeat, an earlier attempt of the same
 Slurm job or torchrun) is taken over with a note; the owner notices a takeover or a deleted lock
 before it writes; and release removes only its own lock."""
@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from train_utils import OutDirLock, UserError, _process_start, host_name
+from machinery.errors import UserError
+from machinery.launch import host_name
+from machinery.lock import OutDirLock, process_start
 
 
 def write_lock(out_dir, host, age_s, **fields):
@@ -58,7 +60,7 @@ def test_a_lock_from_another_node_is_refused_unless_stale_or_an_earlier_attempt_
 def test_a_lock_on_this_host_is_refused_while_its_process_lives_and_taken_over_once_it_is_gone(tmp_path):
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_lock(tmp_path, host_name(), 0, pid=alive.pid, started=_process_start(alive.pid))
+        write_lock(tmp_path, host_name(), 0, pid=alive.pid, started=process_start(alive.pid))
         with pytest.raises(UserError) as e:
             OutDirLock(str(tmp_path)).acquire()
         assert f"pid {alive.pid}" in str(e.value) and "\n" not in str(e.value)

@@ -1,4 +1,4 @@
-"""train_utils.StopRequest: its SIGUSR1/SIGTERM/SIGINT handlers are installed only inside `with` and the
+"""machinery.signals.StopRequest: its SIGUSR1/SIGTERM/SIGINT handlers are installed only inside `with` and the
 previous ones restored after; a signal or the stop file inside is a stop request, named in `reason`;
 and check's policy on non-finite losses (any, without fp16's grad scaler; a majority since the last
 check, with it)."""
@@ -8,7 +8,8 @@ import signal
 import pytest
 import torch
 
-from train_utils import StopRequest, UserError
+from machinery.errors import UserError
+from machinery.signals import StopRequest
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 

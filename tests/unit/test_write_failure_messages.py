@@ -1,11 +1,11 @@
-"""train_utils.describe_write_failure: each reason a write fails for (errno) gets its own words and
+"""machinery.files.describe_write_failure: each reason a write fails for (errno) gets its own words and
 its own way out, in the one line a failed write ends the run with."""
 import errno
 import os
 
 import pytest
 
-from train_utils import describe_write_failure
+from machinery.files import describe_write_failure
 
 
 @pytest.mark.parametrize("code,reason,way_out", [

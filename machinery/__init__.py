@@ -1,0 +1,12 @@
+"""The machinery behind train_utils.py, a module per concern; the recipe (train_ddp.py) never imports it.
+
+    launch.py       who this process is: torchrun's, srun's or no launcher's ranks, the device, the process group
+    errors.py       the one error protocol: UserError, raised on every rank at once and said once
+    cli.py          the command line: flags, --recipe presets, checks, one-line failures
+    files.py        the run's files: atomic writes, rank 0's writes agreed on by all, a failed write in one line
+    lock.py         one run per out-dir
+    checkpoints.py  checkpoint files, their format, finding the one to continue, resume checks, room for the next
+    records.py      progress lines, config.json, metrics.jsonl, run.json, summary.json, eval.json, TensorBoard
+    signals.py      stop requests (SIGUSR1, SIGTERM, Ctrl-C, the stop file), and the tools' one-line exit
+    output.py       rank 0's log lines
+"""

@@ -1,0 +1,248 @@
+"""Checkpoint files: newest first, written whole; the format and its required parts; finding the one
+to continue, what a resumed run may change, whether it is the same data and model; room for the next."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from machinery.errors import UserError, WriteError, call_and_agree
+from machinery.files import atomic_write, describe_write_failure
+from machinery.launch import DistEnv
+from machinery.output import log
+
+
+def checkpoint_paths(out_dir: str, keep: int) -> list:
+    """checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on."""
+    return [os.path.join(out_dir, "checkpoint.pt")] + [
+        os.path.join(out_dir, f"checkpoint.{i}.pt") for i in range(1, keep)]
+
+
+def load_checkpoint(path: str, device: torch.device) -> dict:
+    try:
+        # weights_only: a checkpoint is data, never code; this refuses pickled objects.
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
+    """The newest checkpoint that loads, and its path; (None, None) if there is none. Unreadable
+    ones (truncated, corrupt, or holding pickled code) are skipped with a warning, and if none can
+    be read the run refuses to start rather than overwrite them."""
+    problems = []
+    for path in checkpoint_paths(out_dir, max(keep, 10)):
+        if not os.path.exists(path):
+            continue
+        try:
+            ckpt = load_checkpoint(path, device)
+            if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
+                raise UserError(f"{path} is not a checkpoint of this script")
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        for p in problems:
+            log(f"warning: {p}; using the older {path}", file=sys.stderr)
+        return ckpt, path
+    if problems:
+        raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move the checkpoint files "
+                        f"away to start afresh")
+    return None, None
+
+
+# The format. What every checkpoint holds besides the state the recipe registers (train_utils.Checkpoint:
+# the model, optimizer and scaler, required; what an option adds, optional): where training stands, the
+# config and model it trained, its data's fingerprints, and every rank's RNG states.
+REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
+REQUIRED_CONFIG_KEYS = ("data_spec", "batch_size", "per_rank_batch", "accumulation_steps", "micro_batch",
+                        "micro_batch_size", "lr", "device_type")
+
+
+def check_format(ckpt, path: str, required=(), progress_keys=()) -> None:
+    """Raise UserError unless `ckpt` holds everything this version requires (REQUIRED_KEYS, `required`
+    state, `progress_keys`): an older train_ddp.py's checkpoint is refused in one line, never half-read
+    with guessed defaults."""
+    missing = [k for k in REQUIRED_KEYS + tuple(required) if k not in ckpt]
+    missing += [f"config.{k}" for k in REQUIRED_CONFIG_KEYS if k not in ckpt.get("config", {})]
+    missing += [f"progress.{k}" for k in progress_keys if k not in ckpt.get("progress", {})]
+    if missing:
+        raise UserError(f"{path} was written by an older train_ddp.py (it lacks {', '.join(missing[:3])}); evaluate "
+                        f"or resume it with that version, or train afresh in another --out-dir")
+
+
+# What a checkpoint's run trained on: a run on other data must not continue it.
+DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
+
+
+# What --evaluate may take from the command line instead of the checkpoint.
+QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
+                 "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
+
+
+def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
+    """The flags this run continues `ckpt` with, and notes on what it changes: `args`, but for those the
+    checkpoint rules. `args` itself is left as parsed.
+
+    Raises UserError if the data or the model differ: resuming would mix two runs. --evaluate takes
+    every flag it was not given from the checkpoint, so `--evaluate --out-dir D` is enough. A
+    training run keeps the checkpoint's --micro-batch unless given one, so a resume on fewer GPUs
+    keeps the per-GPU memory (and more accumulation steps keep the global batch)."""
+    flags = dict(vars(args))
+    if ckpt is None:
+        return flags, []
+    saved = ckpt["config"]
+    if flags["evaluate"]:
+        flags.update({k: v for k, v in saved.items() if k in flags and k not in explicit | {"evaluate", "out_dir"}})
+    elif "micro_batch" not in explicit:
+        # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
+        flags["micro_batch"] = saved["micro_batch"] or saved["micro_batch_size"]
+    model_flags = [k for k in ckpt["model_config"] if k in flags]  # the flags build_model's shapes follow
+    for key in DATA_FLAGS + tuple(model_flags):
+        if key in saved and key in flags and flags[key] != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            what = "data" if key in DATA_FLAGS else "model"
+            raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} of the checkpoint in "
+                            f"{flags['out_dir']}, which trained other {what}: use another --out-dir for a new run, or "
+                            f"{flag} {saved[key]} to continue it")
+    if flags["evaluate"]:
+        return flags, []
+    changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in flags.items()
+               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + tuple(model_flags) and saved[k] != v
+               and (k != "micro_batch" or k in explicit)]  # a kept per-rank memory cap is no change
+    return flags, ["resumed with changes: " + ", ".join(changed)] if changed else []
+
+
+def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool) -> None:
+    """Raise UserError if this run would continue `ckpt` on another device type."""
+    trained_on = ckpt["config"]["device_type"] if ckpt is not None else device.type
+    if trained_on != device.type and not evaluate_only:  # optimizer state and RNGs belong to the device type
+        raise UserError(f"{path} was trained on {trained_on}, and this run is on {device.type}: resume with "
+                        f"--device {trained_on}, or train afresh in another --out-dir")
+
+
+def describe_shape(shape: dict) -> str:
+    classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
+    return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
+
+
+@dataclass
+class Found:
+    """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
+    ckpt: dict | None = None
+    path: str | None = None
+    flags: dict = field(default_factory=dict)  # the flags to run with: as given, but for those the checkpoint rules
+    notes: list = field(default_factory=list)  # what this run changes, for the start of the log
+
+    def describe_model(self) -> str:
+        return describe_model(self.ckpt["model_config"])
+
+
+def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
+    """The newest usable checkpoint in --out-dir, and the flags to continue it with (checkpoint_flags).
+    Raises UserError on every rank if this run cannot continue it (the data and the model are checked
+    once loaded: check_same_data, check_same_model)."""
+    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    ckpt, path = loaded or (None, None)
+    if args.evaluate and ckpt is None:
+        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+    if ckpt is not None:
+        check_format(ckpt, path)
+    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt)
+    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
+    return Found(ckpt, path, flags, notes)
+
+
+def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
+    """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
+    (channels, height, width, and the classes when known), then the samples themselves (same flags,
+    other files)."""
+    if found is None or found.ckpt is None:
+        return
+    out_dir, data_dir = found.flags["out_dir"], found.flags["data_dir"]
+    saved_shape = {k: found.ckpt["config"]["data_spec"][k] for k in shape}
+    if saved_shape != shape:
+        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out_dir} was trained "
+                        f"on {describe_shape(saved_shape)}: use another --out-dir for a new run, or load the data "
+                        f"it trained on")
+    saved = found.ckpt["data"]
+    for split, fp in fingerprints.items():
+        if saved[split] != fp:
+            raise UserError(f"the {split} data in --data-dir {data_dir} differ from those the checkpoint in "
+                            f"{out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
+                            f"--data-dir at the same data, or use another --out-dir for a new run")
+
+
+def check_same_model(found: Found, model_config: dict) -> None:
+    """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
+    if found.ckpt is not None and found.ckpt["model_config"] != model_config:
+        raise UserError(f"{found.path} holds {found.describe_model()}, but this run builds "
+                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same model, or "
+                        f"use another --out-dir")
+
+
+def describe_model(cfg: dict) -> str:
+    """A model_config in words: its "name" (else its keys and values), and its classes."""
+    name = cfg.get("name") or ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "num_classes")
+    return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
+
+
+def check_room(out_dir: str, objects: dict) -> None:
+    """Refuse to start when out_dir has no room for one more checkpoint of `objects` (name -> an object
+    with state_dict(): what a checkpoint holds): a run that cannot save would train until its first
+    checkpoint for nothing, and a restart after a full disk would do so again and again."""
+    need = sum(state_bytes(obj) for obj in objects.values())
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
+                                                f"a checkpoint of about {need / 2**20:.1f} MiB "
+                                                f"({free / 2**20:.1f} MiB free)", out_dir))
+
+
+def state_bytes(obj) -> int:
+    """The bytes of obj.state_dict()'s tensors. An optimizer makes its state at its first step, so before
+    it the state is measured on a copy of the optimizer stepped once over stand-in parameters of the
+    same shapes on the CPU (Adam's two moments, SGD's momentum, none for plain SGD)."""
+    if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups):
+        groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach", "capturable")},
+                   "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]}
+                  for g in obj.param_groups]
+        for g in groups:
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        obj = type(obj)(groups)
+        obj.step()
+    return tensor_bytes(obj.state_dict())
+
+
+def tensor_bytes(tree) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
+def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
+    """Write the new checkpoint in full to a temporary file, then shift the older ones down and
+    rename it into place. A crash at any point leaves the previous checkpoints loadable."""
+    paths = checkpoint_paths(out_dir, keep)
+    for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
+        if name.startswith(".checkpoint.") and name.endswith(".tmp"):
+            os.unlink(os.path.join(out_dir, name))
+
+    def shift_older():
+        for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
+            if os.path.exists(newer):
+                os.replace(newer, older)
+    atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
+
+
+def describe_position(epoch: int, position: int, step: int, **_) -> str:
+    """Where a checkpoint stands (its progress record): "after epoch 2", or "at step 10 of epoch 3"."""
+    return f"at step {step} of epoch {epoch + 1}" if position else f"after epoch {epoch}"

@@ -1,0 +1,122 @@
+"""The run's files: written whole or not at all (atomic writes), by rank 0 with every rank agreeing on
+the outcome (write_on_main), and a failed write said in one line with what is intact and the way out."""
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import tempfile
+
+import torch
+
+from machinery.errors import UserError, WriteError, agree_on_error, os_error_of
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a temporary file in the same directory, then a rename."""
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
+def write_text(path: str, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write(path: str, write, before_replace=None) -> None:
+    """write(f) into a temporary file beside `path`, synced, then renamed over it (after
+    before_replace()): a crash at any point leaves the old file or the new one, never half of one."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_replace:
+            before_replace()
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+        fsync_dir(d)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def fsync_dir(d: str) -> None:
+    """Make the renames in `d` durable, so a node crash right after a save keeps the new file."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some network filesystems refuse fsync on a directory; the rename still stands
+        pass
+
+
+def check_writable(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
+
+
+WAY_OUT = {
+    errno.ENOSPC: "free space in {d} (or use another --out-dir)",
+    errno.EDQUOT: "free space under your quota (or use another --out-dir)",
+    errno.EROFS: "{d} is on a read-only filesystem: use another --out-dir",
+    errno.EACCES: "make {d} writable for you, or use another --out-dir",
+    errno.EPERM: "make {d} writable for you, or use another --out-dir",
+    errno.ENOENT: "{d}, or a file in it, was removed while the run wrote there: put it back",
+    errno.EIO: "the filesystem failed: check it, or use another --out-dir",
+}
+
+
+def describe_write_failure(e: OSError, what: str, out_dir: str, then: str = "run the same command to resume") -> str:
+    """One line for a failed write: what failed, where, the OS's reason, what is intact, the way out."""
+    reason = (e.strerror or str(e)).lower()
+    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
+    way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
+    return (f"{reason} writing {what} in {e.filename if named else out_dir}; {describe_intact(out_dir)}: "
+            f"{way_out}, then {then}")
+
+
+def describe_intact(out_dir: str) -> str:
+    """What a failed write leaves safe: the newest checkpoint that loads, read back from the disk."""
+    from machinery.checkpoints import checkpoint_paths, describe_position  # they write through this module
+    for path in checkpoint_paths(out_dir, 10):
+        try:  # mmap: only the small progress record is read, whatever the model's size
+            p = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]
+        except Exception:  # missing, or the one a crash cut short: the next one back
+            continue
+        return f"the last good checkpoint, {path} ({describe_position(**p)}), is intact"
+    return "no checkpoint was written yet"
+
+
+def write_on_main(env, write, *, what: str, out_dir: str, lock=None,
+                  then: str = "run the same command to resume") -> None:
+    """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
+    whether it failed, and all raise the same error and leave together: without this, the others would
+    wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
+    this run still owns out_dir."""
+    error = None
+    if env.is_main:
+        try:
+            if lock is not None:
+                lock.check()
+            write()
+        except UserError as e:
+            error = e
+        except (OSError, RuntimeError) as e:
+            cause = os_error_of(e)
+            if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+                raise
+            error = WriteError(describe_write_failure(cause, what, out_dir, then))
+    agree_on_error(error)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -1,0 +1,179 @@
+"""Who this process is and how the ranks meet: torchrun's, Slurm's or no launcher's environment, the
+device, the process group, and why a rendezvous failed."""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from machinery.errors import RendezvousError, UserError, all_gather, is_timeout
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+
+def read_dist_env() -> DistEnv:
+    """Rank and world size from torchrun's environment (or srun's, once adopt_slurm_env has run), or a
+    single process under plain python. Reads only."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                       int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    return DistEnv()
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu or auto")
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                        f"launch at most that many processes per node (--nproc_per_node)")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(device: str, timeout_s: float) -> DistEnv:
+    """Join the launcher's process group: this process's rank and world size (srun's tasks adopt
+    torchrun's variables first), its device (`device`: auto, cuda or cpu), and the group: NCCL with one
+    GPU per LOCAL_RANK on CUDA, gloo on CPU. No group for a single plain process. Returns who this is."""
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
+    env = read_dist_env()
+    env.device = pick_device(device, env.local_rank)
+    if "RANK" in os.environ:
+        join_process_group(env, timeout_s)
+    return env
+
+
+def join_process_group(env: DistEnv, timeout_s: float) -> None:
+    """init_process_group, with a fresh store namespace per torchrun restart, and one line on failure."""
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
+    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store across --max-restarts, so restarted ranks would read the dead
+        # ranks' gloo addresses (or NCCL id) and wait for them forever: a fresh namespace per attempt.
+        # The attempt count is each agent's own, so this is exact on one node only; with several
+        # agents, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see below).
+        store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+        if env.is_main and env.world_size > env.local_world_size and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
+            print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node joining "
+                  "can hang the other nodes (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                  "before torchrun, as jobs/multinode.sh does", file=sys.stderr, flush=True)
+    try:
+        dist.init_process_group(backend, store=store, rank=env.rank if store else -1,
+                                world_size=env.world_size if store else -1, timeout=timeout,
+                                device_id=env.device if backend == "nccl" else None)
+    except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
+        if (why := describe_init_failure(e, env, timeout_s)) is None:
+            raise
+        raise RendezvousError(why) from None
+
+
+def gather_ranks(env: DistEnv) -> list:
+    """Every rank's host, its address on the way to the rendezvous, the rendezvous address as it
+    resolved here, and its device, indexed by rank: the node count, and run.json's record."""
+    master = master_address()
+    return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
+                       "address": route_source(master) if master else None, "master_address": master,
+                       "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
+
+
+def adopt_slurm_env() -> None:
+    """Write an srun step's variables into os.environ as torchrun's, so init_process_group("env://") works.
+    The master is the allocation's first node; the port is derived from the job id, so that two
+    jobs sharing a node do not collide."""
+    env = os.environ
+    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
+    if "MASTER_ADDR" not in env:
+        import subprocess
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+            env["MASTER_ADDR"] = out[0]
+        except (OSError, subprocess.SubprocessError, IndexError):
+            env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def default_workers(env: DistEnv) -> int:
+    """DataLoader workers per rank for --workers -1: the rank's share of the CPUs it may use, at most
+    8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
+    cpus = len(os.sched_getaffinity(0))
+    return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
+
+
+def describe_init_failure(e: Exception, env: DistEnv, timeout_s: float) -> str | None:
+    """One line for an init_process_group that failed, else None: a peer advertised a loopback address
+    (gloo's connect to it is refused within seconds: ranks bound to an interface that other nodes cannot
+    reach), or the rendezvous timed out."""
+    text = str(e)
+    peer = re.search(r"remote=\[([^\]]+)\]", text)
+    if "connectFullMesh" in text and peer and (peer.group(1).startswith("127.") or peer.group(1) == "::1"):
+        ifname = next((f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+                       if os.environ.get(v)), None)
+        cause = (f"{ifname} names an interface the other nodes cannot reach: set it to the interface that "
+                 f"carries the node's address (ip -br addr), or unset it" if ifname else
+                 "the hostname resolves to a loopback address: map it to the node's address in /etc/hosts or "
+                 "DNS, or set GLOO_SOCKET_IFNAME to the interface that carries that address")
+        return (f"rank {env.rank} on {host_name()} cannot connect to another rank at {peer.group(1)}, a loopback "
+                f"address, so ranks on different nodes cannot meet: {cause}")
+    if is_timeout(e):
+        return (f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
+                f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
+                f"check that every node started and can reach that address, or raise --timeout")
+    return None
+
+
+def host_name() -> str:
+    """The node's name: Slurm's when under Slurm (several slurmd may share one test host)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def route_source(ip: str) -> str | None:
+    """The local address this node's traffic to `ip` leaves from, so the interface it leaves by (a UDP
+    connect sends nothing). None if there is no route."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def master_address() -> str | None:
+    """MASTER_ADDR as it resolves on this node: the address this rank met the others at. None for a
+    single process."""
+    try:
+        return socket.gethostbyname(os.environ["MASTER_ADDR"]) if "MASTER_ADDR" in os.environ else None
+    except OSError:
+        return None

@@ -1,0 +1,21 @@
+"""Rank 0's output: log() for the whole job, once, not once per rank; say() from a signal handler."""
+import os
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: from the launcher's environment (torchrun's RANK, or srun's
+    SLURM_PROCID before the entry point adopts it), read without changing anything."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def log(*args, **kwargs) -> None:
+    """print on rank 0 only, flushed, so logs are not multiplied by the world size. Rank 0 is known
+    before the process group exists, so argparse's errors are said once too."""
+    if is_main_process():
+        print(*args, **kwargs, flush=True)
+
+
+def say(text: str) -> None:
+    """log() from a signal handler, where print is not safe: rank 0 writes `text` to stderr."""
+    if is_main_process():
+        os.write(2, text.encode())

@@ -1,0 +1,154 @@
+"""The run's records: rank 0's progress lines, the run's files (config.json, metrics.jsonl, run.json,
+summary.json, TensorBoard, eval.json) and the original script's summary lines."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from machinery.files import now_iso, write_json, write_on_main, write_text
+from machinery.launch import DistEnv, gather_ranks
+from machinery.output import is_main_process, log
+
+
+class ProgressLog:
+    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
+    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
+
+    def __init__(self, every: int):
+        self.is_main = is_main_process()
+        self.tty = self.is_main and sys.stdout.isatty()
+        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
+        self.shown = False
+
+    def due(self, step: int) -> bool:
+        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
+        return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
+
+    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        self.shown = True
+        eta = elapsed / max(step, 1) * (steps - step)
+        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
+                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
+        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
+        if self.due(step):
+            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
+
+    def clear(self) -> None:
+        if self.tty:
+            print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+class RunFiles:
+    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends
+    every rank with one line): config.json, metrics.jsonl (a row per epoch, rewritten whole from the
+    checkpoint's history at each start and epoch, so it never holds a partial line or an epoch that
+    trains again), run.json, TensorBoard; at the end summary.json, and the original script's summary lines.
+    Made by every rank (it gathers each rank's host and device for run.json)."""
+
+    def __init__(self, cfg, env: DistEnv, data, *, history: list, lock):
+        config = {**cfg.to_dict(), "data_spec": asdict(data.spec)}
+        self.cfg, self.env, self.config, self.lock = cfg, env, config, lock
+        self.ranks = gather_ranks(env)
+        self.n_train, self.n_test = len(data.train), len(data.test)
+        self.metrics_path = os.path.join(self.cfg.out_dir, "metrics.jsonl")
+        self.rows = [json.dumps(m) + "\n" for m in history]
+        self.record, self.tensorboard = provenance(config, self.ranks) if env.is_main else None, None
+
+        def write_start():
+            write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
+            write_text(self.metrics_path, "".join(self.rows))
+            write_json(os.path.join(self.cfg.out_dir, "run.json"), self.record)
+            if self.cfg.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter  # optional; check_args made sure it imports
+                self.tensorboard = SummaryWriter(os.path.join(self.cfg.out_dir, "tensorboard"))
+        self._write(write_start, "the run's records (config.json, metrics.jsonl, run.json)")
+
+    def _write(self, write, what: str) -> None:
+        write_on_main(self.env, write, what=what, out_dir=self.cfg.out_dir, lock=self.lock)
+
+    def add_epoch(self, metrics: dict) -> None:
+        self.rows.append(json.dumps(metrics) + "\n")
+
+        def write_epoch():
+            write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
+            if self.tensorboard:
+                for key, value in metrics.items():
+                    self.tensorboard.add_scalar(key, value, metrics["epoch"])
+                self.tensorboard.flush()  # a preempted run keeps its curves too
+        self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
+
+    def finish(self, progress) -> None:
+        env, history, total_s = self.env, progress.history, progress.total_time_s
+        n_train, n_test = self.n_train, self.n_test
+        summary = {
+            "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
+            "images_per_s": progress.total_images / total_s if total_s else 0.0,
+            "gpus_per_node": env.local_world_size, "device": env.device.type,
+            "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
+            "finished": progress.stopped_early or progress.epoch >= self.cfg.epochs,
+            "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
+            "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
+            "config": self.config,
+        }
+
+        def write_end():
+            write_json(os.path.join(self.cfg.out_dir, "summary.json"), summary)
+            write_json(os.path.join(self.cfg.out_dir, "run.json"), {**self.record, "end_time": now_iso()})
+            if self.tensorboard:
+                self.tensorboard.close()
+        self._write(write_end, "the run's summary (summary.json, run.json)")
+        log("\nTraining Summary:")
+        log(f"Total training time: {total_s:.3f} seconds")
+        log(f"Throughput: {summary['images_per_s']:.3f} images/second")
+        unit = "GPUs" if env.device.type == "cuda" else "CPU processes"  # as the start lines say
+        log(f"Number of nodes: {summary['nodes']}")
+        log(f"Number of {unit} per node: {env.local_world_size}")
+        log(f"Total {unit} used: {env.world_size}")
+        log("Training completed successfully." if summary["finished"] else
+            f"Training paused after epoch {progress.epoch} of {self.cfg.epochs}; run again to resume.")
+
+    @staticmethod
+    def write_evaluation(metrics: dict, *, cfg, env: DistEnv, epoch: int, path: str) -> None:
+        """--evaluate's two lines, and eval.json."""
+        out_dir = cfg.out_dir
+        log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+        log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
+        record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
+        write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), what="eval.json",
+                      out_dir=out_dir, then="evaluate again")
+
+
+    # =================================================================================================
+    # Part 2: the machinery behind those calls
+    # =================================================================================================
+
+
+def provenance(config: dict, ranks: list) -> dict:
+    """What a run ran on, for run.json: code version, library versions, devices, hosts, Slurm."""
+    import subprocess
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    cuda = torch.cuda.is_available()
+    return {
+        "config": config, "git_commit": commit, "git_dirty": dirty,
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+                     "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                     "cudnn": torch.backends.cudnn.version() if cuda else None},
+        "world_size": len(ranks), "ranks": ranks,
+        "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
+        "start_time": now_iso(), "end_time": None,
+    }

@@ -1,0 +1,165 @@
+"""Signals: the training loop's checkpointed stop (StopRequest: SIGUSR1, SIGTERM, Ctrl-C, the stop
+file), and the tools' immediate one-line exit on SIGTERM and Ctrl-C (catch_stop_signals)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from machinery.errors import UserError, all_reduce_max
+from machinery.launch import read_dist_env
+from machinery.output import say
+
+
+STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
+
+
+class StopRequest:
+    """Set by SIGUSR1 or SIGTERM (Slurm's time-limit warning, scancel, preemption), by Ctrl-C
+    (SIGINT; a second one quits at once), or by the file named in $DDP_STOP_FILE (which the job
+    scripts create when their shell is signalled, as that reaches every rank on every node, in a
+    container too). Ranks agree in `check`."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal = None
+        self.stop_file = os.environ.get("DDP_STOP_FILE")
+        self.prev_sums = None  # the sums at the previous check (fp16's divergence test)
+        self._previous = {}  # the handlers before __enter__
+
+    def __enter__(self) -> "StopRequest":
+        """Catch the signals while the training loop runs (`with StopRequest() as stop:`); outside it,
+        Ctrl-C and SIGTERM act as usual."""
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def reason(self) -> str:
+        """Why the run stops, for its log line: the signal or stop file seen here, else another rank's."""
+        return self.signal or "on another rank"
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            say("\nSecond Ctrl-C: quitting now, without a checkpoint (the last one is intact).\n")
+            os._exit(130)
+        if signum == signal.SIGINT:
+            say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to quit now.\n")
+        self.signal = signal.Signals(signum).name
+
+    def requested_here(self) -> bool:
+        if self.signal is None and self.stop_file and os.path.exists(self.stop_file):
+            self.signal = f"stop file {self.stop_file}"
+        return self.signal is not None
+
+    def check(self, device, sums, allow_nonfinite: bool) -> bool:
+        """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
+        non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
+        fp16 the grad scaler skips the odd overflowing step, so only divergence stops the run: a majority
+        of non-finite losses since the previous check."""
+        sums = torch.as_tensor(sums, dtype=torch.float64, device=device)
+        if allow_nonfinite:
+            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
+            prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
+            self.prev_sums = sums.clone()
+            finite, count = sums[1] - prev[1], sums[2] - prev[2]
+            diverged = finite < 0.5 * count
+        else:
+            diverged = sums[1] < sums[2]
+        flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
+                             diverged.to(device=device, dtype=torch.float32)])
+        stop, bad = all_reduce_max(flags).tolist()
+        if bad and allow_nonfinite:
+            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: training "
+                            "diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
+                            "--amp bf16, then run again to resume from the last checkpoint")
+        if bad:
+            raise UserError("the training loss became NaN or infinite, so training stopped before saving "
+                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
+        return bool(stop)
+
+
+# ---------------------------------------------------------------- the tools' SIGTERM and Ctrl-C
+# bench.py, preflight.py and plot.py stop at once on SIGTERM (a timeout, scancel, torchrun) and Ctrl-C,
+# in one line. (train_ddp.py instead turns them into a checkpointed stop: StopRequest.)
+
+
+class StoppedBySignal(KeyboardInterrupt):
+    """SIGTERM (timeout, scancel, torchrun) or SIGINT (Ctrl-C), raised in the main thread."""
+
+
+_stop = {"signum": None, "lock": threading.Lock()}
+
+
+def catch_stop_signals(grace_s: float = 1.5) -> None:
+    """SIGTERM and SIGINT raise StoppedBySignal in the main thread at its next Python instruction; once it (or whatever
+    it became on the way out) leaves the script, sys.excepthook ends the process with one line and exit status
+    128 + signum (exit_stopped), after the `finally` blocks on the way (the process group, the DataLoader
+    workers). A thread woken by the signal itself (signal.set_wakeup_fd) ends it the same way after `grace_s`
+    if the main thread is held up, e.g. in a C call that waits for a peer which has already left. Forked
+    processes (DataLoader workers) get the default handling back."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def on_signal(signum, frame):
+        if _stop["signum"] is None:  # a second signal changes nothing: the thread below ends the process
+            _stop["signum"] = signum
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no DataLoader "worker killed" error on the way out
+            raise StoppedBySignal(signum)
+
+    def backstop():
+        while not (got := [s for s in os.read(read_fd, 64) if s in (signal.SIGTERM, signal.SIGINT)]):
+            pass
+        time.sleep(grace_s)
+        exit_stopped(got[0], flush=False)  # the main thread may hold stdout's lock
+
+    def in_child():
+        with contextlib.suppress(ValueError):  # raised if not the main thread
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def excepthook(kind, value, tb, default=sys.excepthook):
+        if _stop["signum"] is not None:
+            exit_stopped(_stop["signum"])
+        default(kind, value, tb)
+
+    def unraisable(info, default=sys.unraisablehook):  # a signal that lands in a __del__ is lost: the thread ends it
+        if not isinstance(info.exc_value, StoppedBySignal):
+            default(info)
+
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    sys.excepthook, sys.unraisablehook = excepthook, unraisable
+    os.register_at_fork(after_in_child=in_child)
+    threading.Thread(target=backstop, name="stop-backstop", daemon=True).start()
+
+
+def exit_stopped(signum: int, flush: bool = True) -> None:
+    """`script: [rank r: ]stopped by SIGTERM` on stderr, once, then exit 128 + signum at once."""
+    with _stop["lock"]:  # the main thread or the backstop, whichever comes first; the other waits here for the exit
+        for stream in (sys.stdout, sys.stderr) if flush else ():
+            with contextlib.suppress(Exception):
+                stream.flush()
+        env = read_dist_env()
+        rank = f"rank {env.rank}: " if env.world_size > 1 else ""
+        os.write(2, f"{os.path.basename(sys.argv[0])}: {rank}stopped by {signal.Signals(signum).name}\n".encode())
+        mp = sys.modules.get("multiprocessing")  # DataLoader workers still up would outlive this process by seconds
+        children = mp.active_children() if mp else []
+        for child in children:
+            with contextlib.suppress(Exception):
+                child.terminate()
+        for child in children:  # gone before we are, so nothing of ours outlives the exit line
+            with contextlib.suppress(Exception):
+                child.join(timeout=1.0)
+        os._exit(128 + signum)
