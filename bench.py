@@ -48,7 +48,7 @@ import train_utils as utils
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
 from machinery.output import log
-from machinery.signals import catch_stop_signals
+from machinery.cli import run_tool
 from model import depth_arg, width_arg
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
@@ -650,9 +650,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
-    try:
-        main(get_args_parser().parse_args())
-    except UserError as e:
-        log(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_tool(main, get_args_parser()))  # SIGTERM and Ctrl-C: out at once in one line; bad input: one line

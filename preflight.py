@@ -35,7 +35,7 @@ from machinery.errors import RendezvousError, UserError, all_gather
 from machinery.files import check_writable
 from machinery.launch import host_name, init_distributed, read_dist_env, route_source
 from machinery.output import log
-from machinery.signals import catch_stop_signals
+from machinery.cli import run_tool
 
 
 def get_args_parser():
@@ -312,9 +312,4 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
-    try:
-        sys.exit(main(get_args_parser().parse_args()))
-    except UserError as e:
-        log(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_tool(main, get_args_parser()))  # SIGTERM and Ctrl-C: out at once in one line; bad input: one line

@@ -41,7 +41,7 @@ __all__ = [  # what the recipe calls, from here or from the machinery
 
 # ------------------------------------------------------------- the config: flags and world, computed once
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RunConfig:
     """Every flag, and what this run makes of them in its world: built once (make_config), read by
     training, --evaluate and bench.py, and stored whole in config.json and every checkpoint. A flag
@@ -52,7 +52,7 @@ class RunConfig:
     per_rank_batch: int      # each rank's share of the global --batch-size (rounded up for --evaluate)
     accumulation_steps: int  # micro-steps per optimizer step, each of at most --micro-batch samples
     micro_batch_size: int    # samples per forward and backward on one rank
-    eval_batch: int          # test images per forward on one rank: the micro-batch, known to fit
+    eval_batch: int          # test images per forward on one rank: --micro-batch at most, known to fit
     lr: float                # the peak LR: --base-lr carried from --reference-batch-size to --batch-size
     num_workers: int         # DataLoader workers per rank (--loader torch)
     device_type: str         # cuda or cpu
@@ -67,19 +67,23 @@ class RunConfig:
     def to_dict(self) -> dict:
         """Flat, as config.json and checkpoints hold it: the flags, then the derived values."""
         derived = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "flags"}
-        return {**self.flags, **derived, "amp_dtype": str(self.amp_dtype)}
+        amp = str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else None  # "bfloat16", or null
+        return {**self.flags, **derived, "amp_dtype": amp}
 
 
 def make_config(args, env: DistEnv, found: Found | None = None) -> RunConfig:
     """The run's config from the flags (those of `found`, the checkpoint's where it rules, if given) and
     the world. A collective: the ranks count their hosts."""
-    args = argparse.Namespace(**found.flags) if found is not None else args
+    args = argparse.Namespace(**found.flags) if found is not None and found.flags else args
+    clash = set(vars(args)) & ({f.name for f in fields(RunConfig)} | {"to_dict"})
+    if clash:  # a flag named like a derived value would be shadowed by it
+        raise ValueError(f"flags named like RunConfig's fields: {sorted(clash)}; rename them in get_args_parser")
     per_rank_batch = -(-args.batch_size // env.world_size)  # --batch-size is global: each rank takes its share
     accum = accumulation_steps(per_rank_batch, args.micro_batch)
     return RunConfig(
         flags=dict(vars(args)), world_size=env.world_size, nodes=len(set(all_gather(host_name()))),
         per_rank_batch=per_rank_batch, accumulation_steps=accum, micro_batch_size=per_rank_batch // accum,
-        eval_batch=per_rank_batch // accum, lr=scaled_lr(args.base_lr, args.batch_size,
+        eval_batch=min(per_rank_batch, args.micro_batch or per_rank_batch), lr=scaled_lr(args.base_lr, args.batch_size,
                                                                args.reference_batch_size, args.lr_scaling),
         num_workers=args.workers if args.workers >= 0 else default_workers(env), device_type=env.device.type,
         amp_dtype=resolve_amp(args.amp, env.device))
@@ -116,9 +120,12 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
     (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
     keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
-    the end of training, or the WRN paper's steps (x0.2 at 30%, 60% and 80% of training)."""
+    the end of training, the WRN paper's steps (x0.2 at 30%, 60% and 80% of training), or constant
+    (the original script's)."""
     if start < warmup_epochs:
         return min(1.0, end / warmup_epochs)
+    if schedule == "constant":
+        return 1.0
     if schedule == "step":
         return 0.2 ** sum(start >= m * epochs - 1e-9 for m in (0.3, 0.6, 0.8))  # 1e-9: 0.8 * 7 is 5.6000000000000005
     progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
@@ -234,7 +241,7 @@ class Checkpoint:
         if found.ckpt is None:
             return Progress()
         ckpt, cfg, env = found.ckpt, self.cfg, self.env
-        check_format(ckpt, found.path, required=self.required, progress_keys=[f.name for f in fields(Progress)])
+        check_format(ckpt, found.path, required=self.required)
         check_same_model(found, self.model_config)
         for name, obj in self.required.items():
             if ckpt[name]:  # empty: nothing to restore (a GradScaler that was off)
@@ -284,26 +291,30 @@ def note_resume_changes(saved: dict, cfg: RunConfig, progress: Progress) -> None
     if saved["batch_size"] != cfg.batch_size:
         log(f"note: the global batch changed from {saved['batch_size']} to {cfg.batch_size} on resume: the "
             f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample {progress.position})")
-    if (saved["accumulation_steps"], saved["micro_batch_size"]) != (
-            cfg.accumulation_steps, cfg.micro_batch_size) and saved["world_size"] != cfg.world_size:
-        log(f"note: {saved['world_size']} ranks x {saved['accumulation_steps']} accumulation steps x "
-            f"{saved['micro_batch_size']} before, {cfg.world_size} x {cfg.accumulation_steps} x "
-            f"{cfg.micro_batch_size} now: the same global batch")
+    before = (saved["world_size"], saved["accumulation_steps"], saved["micro_batch_size"])
+    if before != (cfg.world_size, cfg.accumulation_steps, cfg.micro_batch_size):
+        same = "the same global batch" if saved["batch_size"] == cfg.batch_size else "another global batch"
+        log(f"note: {before[0]} ranks x {before[1]} accumulation steps x {before[2]} before, {cfg.world_size} x "
+            f"{cfg.accumulation_steps} x {cfg.micro_batch_size} now: {same} ({saved['batch_size']} before, "
+            f"{cfg.batch_size} now)")
 
 
 # ------------------------------------------------------------------------- the original script's lines
 
-def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
-    """The original script's first two lines, then the config, the batch split and the LR, the data, and
-    notes on what a resumed run changes."""
+def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> None:
+    """The original script's first two lines, then the flags that differ from their defaults in `parser`,
+    the batch split and the LR, the data, and notes on what a resumed run changes."""
     unit = "GPUs" if env.device.type == "cuda" else "CPU processes"
     log(f"Training started with {env.world_size} processes across {cfg.nodes} nodes.")
     log(f"Using {env.local_world_size} {unit} per node.")
-    log("Config: " + json.dumps(cfg.to_dict()))
+    changed = {k: v for k, v in cfg.flags.items() if parser.get_default(k) != v}
+    log(f"Config: {json.dumps(changed)} (the rest: the defaults; all of it in {cfg.out_dir}/config.json)")
     split = (f"{env.world_size} ranks x {cfg.accumulation_steps} accumulation steps x {cfg.micro_batch_size}"
              if cfg.accumulation_steps > 1 else f"{env.world_size} ranks x {cfg.per_rank_batch}")
-    log(f"Global batch {cfg.batch_size} = {split}; LR {cfg.lr:.4g} ({cfg.lr_scaling} scaling of "
-        f"{cfg.base_lr:g} from batch {cfg.reference_batch_size})")
+    rule = ("--base-lr as given, --lr-scaling none" if cfg.lr_scaling == "none" else
+            f"{cfg.lr_scaling} scaling of {cfg.base_lr:g} from batch {cfg.reference_batch_size}")
+    log(f"Global batch {cfg.batch_size} = {split}; LR {cfg.lr:.4g} ({rule}; {cfg.lr_schedule} after "
+        f"{cfg.warmup_epochs:g} warm-up epochs)")
     spec = data.spec
     log(f"Data: {len(data.train)} training and {len(data.test)} test images of {spec.channels} x {spec.height} x "
         f"{spec.width}, {spec.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in spec.mean)}, "

@@ -18,13 +18,16 @@ job_summary() {
         nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | sed 's/^/=== GPU /'
         nvidia-smi topo -m 2>/dev/null | head -n 12 | sed 's/^/=== topo /'  # SYS between GPUs: see NCCL_P2P_DISABLE
     fi
-    echo "=== project: $PROJECT_DIR; container: ${CONTAINER:-none (current Python environment)}"
+    local python="in the container"
+    [[ -z "${CONTAINER:-}" ]] && python=$(command -v python || echo none)
+    echo "=== project: $PROJECT_DIR; container: ${CONTAINER:-none}; python: $python"
 }
 
 # The training run's arguments: the recipe, then the job script's own, which override it.
 print_recipe() {
     echo "=== recipe: ${RECIPE[*]} (train_ddp.py --help lists what it sets)"
     echo "=== arguments after the script (these win): ${*:-none}"
+    echo "=== the global batch and LR it trains with: the 'Global batch ... LR ...' line below"
 }
 
 # The training recipe every job script runs, printed at the start of the log: train_ddp.py's preset
@@ -41,6 +44,45 @@ if [[ -n "${CONTAINER:-}" ]]; then
     [[ -d "$DATA_DIR" ]] && binds="$binds,$DATA_DIR"
     LAUNCH=(apptainer exec --nv --bind "$binds" --pwd "$PROJECT_DIR" "$CONTAINER")
 fi
+
+# The Python environment: the container's when CONTAINER is set; else the one VENV names, or the project's
+# .venv when it exists (the README's set-up makes it), first on PATH; else whatever is on PATH. Without a
+# torchrun there, stop now in one line, not halfway through the job.
+if [[ -z "${CONTAINER:-}" ]]; then
+    VENV=${VENV:-$PROJECT_DIR/.venv}
+    [[ -x "$VENV/bin/python" ]] && export PATH="$VENV/bin:$PATH"
+    if ! command -v torchrun >/dev/null 2>&1; then
+        echo "error: no torchrun on PATH and no Python environment in $VENV: activate the environment that has" \
+             "torch before sbatch (or load its module), set VENV=/path/to/venv, or CONTAINER=/path/to/image.sif" >&2
+        exit 2
+    fi
+fi
+
+# Slurm granted GPUs, but the environment's torch may see none (a CPU-only build, a CUDA module not loaded,
+# a container without --nv): stop in one line rather than train on the CPU for days, unless the training
+# flags ("$@") ask for the CPU with --device cpu.
+check_cuda() {
+    local granted=${SLURM_GPUS_ON_NODE:-0} out seen python version count
+    [[ "$granted" =~ ^[0-9]+$ && "$granted" -gt 0 ]] || return 0
+    [[ " $* " == *" --device cpu "* || " $* " == *" --device=cpu "* ]] && return 0
+    # One marked line on stdout; torch's warnings (an old driver, say) go to stderr and are not parsed.
+    out=$(${LAUNCH[@]+"${LAUNCH[@]}"} python -c "import sys, torch
+print('torch-check', sys.executable, torch.__version__, torch.cuda.device_count())" 2>&1)
+    seen=$(grep '^torch-check ' <<< "$out")
+    if [[ -z "$seen" ]]; then
+        local where="this job's Python environment" fix="activate the environment that has torch before sbatch, set VENV=/path/to/venv, or CONTAINER=/path/to/image.sif"
+        [[ -n "${CONTAINER:-}" ]] && where="the container $CONTAINER" fix="use an image that has torch"
+        echo "error: torch does not import in $where (${out##*$'\n'}): $fix" >&2
+        exit 2
+    fi
+    read -r _ python version count <<< "$seen"
+    if [[ "$count" == 0 ]]; then
+        echo "error: Slurm granted $granted GPUs on $(hostname), but torch $version in $python sees none (a CPU-only" \
+             "torch build, a CUDA module not loaded, or a container run without --nv): fix the environment, or add" \
+             "--device cpu to train on the CPU" >&2
+        exit 2
+    fi
+}
 
 # One process per GPU that Slurm granted on each node, never a hard-coded count. Without GPUs
 # (a CPU-only partition) set NPROC_PER_NODE; the ranks then train on CPU with gloo.
@@ -68,7 +110,8 @@ run_requeueable() {
     trap - USR1 TERM
     if [[ -e "$DDP_STOP_FILE" && $status -ne 0 ]]; then
         rm -f "$DDP_STOP_FILE"
-        echo "=== $(date -Is): the run stopped on request (status $status); requeueing job $SLURM_JOB_ID to resume"
+        echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
+             "$status, so its FAILED lines in the .err file are expected); requeueing job $SLURM_JOB_ID to resume"
         scontrol requeue "$SLURM_JOB_ID" && exit 0
         echo "=== requeue failed (is JobRequeue allowed here?); resubmit this job to resume" >&2
     fi

@@ -29,6 +29,7 @@ set -uo pipefail
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 print_recipe "$@"
+check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
 
 # NPROC (lib.sh): one process per GPU that Slurm granted on this node.
 echo "=== torchrun: 1 node x $NPROC processes"

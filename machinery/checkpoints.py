@@ -3,6 +3,7 @@ to continue, what a resumed run may change, whether it is the same data and mode
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import sys
@@ -58,17 +59,20 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
 # the model, optimizer and scaler, required; what an option adds, optional): where training stands, the
 # config and model it trained, its data's fingerprints, and every rank's RNG states.
 REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
-REQUIRED_CONFIG_KEYS = ("data_spec", "batch_size", "per_rank_batch", "accumulation_steps", "micro_batch",
+REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps", "micro_batch",
                         "micro_batch_size", "lr", "device_type")
+# Where training stands (train_utils.Progress's fields; a unit test holds the two together).
+REQUIRED_PROGRESS_KEYS = ("epoch", "position", "step", "sums", "elapsed_s", "history", "total_time_s",
+                          "total_images", "stopped_early")
 
 
-def check_format(ckpt, path: str, required=(), progress_keys=()) -> None:
-    """Raise UserError unless `ckpt` holds everything this version requires (REQUIRED_KEYS, `required`
-    state, `progress_keys`): an older train_ddp.py's checkpoint is refused in one line, never half-read
-    with guessed defaults."""
+def check_format(ckpt, path: str, required=()) -> None:
+    """Raise UserError unless `ckpt` holds everything this version requires (the keys above, and the
+    `required` state): an older train_ddp.py's checkpoint is refused in one line, never half-read with
+    guessed defaults."""
     missing = [k for k in REQUIRED_KEYS + tuple(required) if k not in ckpt]
     missing += [f"config.{k}" for k in REQUIRED_CONFIG_KEYS if k not in ckpt.get("config", {})]
-    missing += [f"progress.{k}" for k in progress_keys if k not in ckpt.get("progress", {})]
+    missing += [f"progress.{k}" for k in REQUIRED_PROGRESS_KEYS if k not in ckpt.get("progress", {})]
     if missing:
         raise UserError(f"{path} was written by an older train_ddp.py (it lacks {', '.join(missing[:3])}); evaluate "
                         f"or resume it with that version, or train afresh in another --out-dir")
@@ -136,6 +140,7 @@ class Found:
     path: str | None = None
     flags: dict = field(default_factory=dict)  # the flags to run with: as given, but for those the checkpoint rules
     notes: list = field(default_factory=list)  # what this run changes, for the start of the log
+    finished: str | None = None  # a finished run rerun with the same command: the line that says so
 
     def describe_model(self) -> str:
         return describe_model(self.ckpt["model_config"])
@@ -153,7 +158,44 @@ def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
         check_format(ckpt, path)
     flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt)
     call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
-    return Found(ckpt, path, flags, notes)
+    finished = None if ckpt is None or args.evaluate else call_and_agree(check_finished, ckpt, path, flags, notes)
+    return Found(ckpt, path, flags, notes, finished)
+
+
+def read_summary(out_dir: str) -> dict:
+    """The out-dir's summary.json, or {} if there is none (or it does not load)."""
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def check_finished(ckpt, path: str, flags: dict, notes: list) -> str | None:
+    """None if the run in `ckpt` has epochs left to train under `flags` (or finished without writing its
+    summary: the run then writes it). If not: rerun with the same command (a requeue, a restart), the line
+    that says there is nothing to train; with changed flags, or --epochs at or below the epochs it has
+    done, a UserError naming the two ways on. Never a silent run that trains nothing."""
+    progress, saved = ckpt["progress"], ckpt["config"]
+    done, epochs = progress["epoch"], flags["epochs"]
+    if not progress["stopped_early"] and done < epochs:
+        return None
+    history = progress["history"]
+    result = (f"; final validation accuracy {history[-1]['val_acc']:.4f}, best "
+              f"{max(m['val_acc'] for m in history):.4f}" if history else "")
+    holds = (f"{path} holds a run that stopped early at epoch {done} (target accuracy reached{result})"
+             if progress["stopped_early"] else f"{path} holds a run trained for {done} epochs{result}")
+    ways = ("another --out-dir starts afresh" if progress["stopped_early"] else
+            f"--epochs N (more than {done}) trains it on, or another --out-dir starts afresh")
+    if not notes and epochs == saved["epochs"]:
+        summary = read_summary(flags["out_dir"])
+        if not (summary.get("finished") and summary.get("epochs_completed") == done):
+            return None  # it ended before its records were whole: this run trains nothing and writes them
+        return f"{holds}: nothing to train; {ways}."
+    if epochs != saved["epochs"] and epochs <= done:
+        raise UserError(f"--epochs {epochs} leaves nothing to train: {holds}; {ways}")
+    raise UserError(f"{holds}, and this command changes it ({'; '.join(notes)}) but trains nothing: {ways}")
+
 
 
 def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
@@ -162,7 +204,7 @@ def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
     other files)."""
     if found is None or found.ckpt is None:
         return
-    out_dir, data_dir = found.flags["out_dir"], found.flags["data_dir"]
+    out_dir, data_dir = found.flags.get("out_dir", "the out-dir"), found.flags.get("data_dir", "?")
     saved_shape = {k: found.ckpt["config"]["data_spec"][k] for k in shape}
     if saved_shape != shape:
         raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out_dir} was trained "
@@ -207,14 +249,18 @@ def state_bytes(obj) -> int:
     it the state is measured on a copy of the optimizer stepped once over stand-in parameters of the
     same shapes on the CPU (Adam's two moments, SGD's momentum, none for plain SGD)."""
     if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups):
-        groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach", "capturable")},
-                   "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]}
-                  for g in obj.param_groups]
-        for g in groups:
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        obj = type(obj)(groups)
-        obj.step()
+        params = [p for g in obj.param_groups for p in g["params"]]
+        try:
+            groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach", "capturable")},
+                       "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]}
+                      for g in obj.param_groups]
+            for g in groups:
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            obj = type(obj)(groups)
+            obj.step()
+        except Exception:  # an optimizer that cannot be stepped so (a closure, sparse gradients, a wrapper):
+            return 2 * tensor_bytes(params)  # two moments per parameter, as Adam keeps, at most as a rule
     return tensor_bytes(obj.state_dict())
 
 

@@ -13,12 +13,12 @@ import torch
 
 from machinery.errors import UserError, describe_comm_failure
 from machinery.launch import read_dist_env
-from machinery.output import is_main_process
+from machinery.output import is_main_process, log
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
     """Parse the command line, apply --recipe's preset, and run main(args, explicit) (`explicit`: the
-    flags given, on the command line or by the preset), minus the tracebacks a user should not have to
+    flags given on the command line), minus the tracebacks a user should not have to
     read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
     or dead peer, said in one line on every rank instead of a wall of C++ frames."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
@@ -36,10 +36,23 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
         return 1
 
 
+def run_tool(main, parser) -> int:
+    """The tools' entry point (bench.py, preflight.py): SIGTERM and Ctrl-C end them at once in one line
+    (catch_stop_signals), and a UserError is one `error:` line from rank 0 and exit status 2. Returns
+    main(args)'s status (None: 0)."""
+    from machinery.signals import catch_stop_signals
+    catch_stop_signals()
+    try:
+        return main(parser.parse_args()) or 0
+    except UserError as e:
+        log(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def parse_flags(parser, recipes: dict, argv) -> tuple:
     """The flags, with --recipe NAME's preset (recipes[NAME]: flag dest -> value) under those given on
-    the command line, whatever their order; and the set of dests given either way. --help lists the
-    presets and what each sets."""
+    the command line, whatever their order; and the set of dests given on the command line. --help
+    lists the presets and what each sets."""
     class Formatter(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
         """The parser's own, with the epilog's lines kept: one preset per paragraph."""
     parser.formatter_class = Formatter
@@ -55,7 +68,7 @@ def parse_flags(parser, recipes: dict, argv) -> tuple:
     for dest, value in preset.items():
         if dest not in given:
             setattr(args, dest, value)
-    return args, given | set(preset)
+    return args, given  # the preset's values stay defaults of a kind: --evaluate takes the checkpoint's
 
 
 def describe_preset(preset: dict) -> str:

@@ -91,7 +91,10 @@ class RunFiles:
         summary = {
             "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
             "images_per_s": progress.total_images / total_s if total_s else 0.0,
-            "gpus_per_node": env.local_world_size, "device": env.device.type,
+            "processes_per_node": env.local_world_size, "device": env.device.type,
+            # named as the log's lines name them: GPUs on CUDA, CPU processes on a CPU
+            **({"gpus_per_node": env.local_world_size} if env.device.type == "cuda" else
+               {"gpus_per_node": 0, "cpu_processes_per_node": env.local_world_size}),
             "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
             "finished": progress.stopped_early or progress.epoch >= self.cfg.epochs,
             "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
@@ -114,6 +117,11 @@ class RunFiles:
         log(f"Total {unit} used: {env.world_size}")
         log("Training completed successfully." if summary["finished"] else
             f"Training paused after epoch {progress.epoch} of {self.cfg.epochs}; run again to resume.")
+        if history:  # what the run got, and where it is
+            best = max(history, key=lambda m: m["val_acc"])
+            log(f"Result: final validation accuracy {history[-1]['val_acc']:.4f} (epoch {history[-1]['epoch']}), "
+                f"best {best['val_acc']:.4f} (epoch {best['epoch']}); checkpoint "
+                f"{os.path.join(self.cfg.out_dir, 'checkpoint.pt')}")
 
     @staticmethod
     def write_evaluation(metrics: dict, *, cfg, env: DistEnv, epoch: int, path: str) -> None:
@@ -124,11 +132,6 @@ class RunFiles:
         record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
         write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), what="eval.json",
                       out_dir=out_dir, then="evaluate again")
-
-
-    # =================================================================================================
-    # Part 2: the machinery behind those calls
-    # =================================================================================================
 
 
 def provenance(config: dict, ranks: list) -> dict:

@@ -1,6 +1,5 @@
 """The LR rule end to end: a run tuned at one batch size, carried by the linear rule to a 4x larger
 global batch (by accumulation), ends within a few points of it; without the rule, far behind."""
-import re
 import tempfile
 
 from support import TINY, launch, read_jsonl, write_cifar100
@@ -25,8 +24,23 @@ def test_the_lr_rule_carries_a_tuned_run_to_a_4x_larger_batch():
             if name != "small":
                 assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in proc.stdout
                 lr = {"linear": 0.2, "none": 0.05}[name]
-                assert re.search(rf"LR {lr:g} \({'linear' if name == 'linear' else 'none'} scaling", proc.stdout)
+                rule = {"linear": "linear scaling of 0.05 from batch 16",
+                        "none": "--base-lr as given, --lr-scaling none"}[name]
+                assert f"LR {lr:g} ({rule};" in proc.stdout
     print(acc)
     assert 0.5 < acc["small"] < 0.97, acc  # it learns (chance is 1%), and does not saturate
     assert acc["small"] - acc["linear"] < 0.08, acc  # within a few points
     assert acc["linear"] - acc["none"] > 0.15, acc  # clearly worse without scaling
+
+
+def test_the_original_preset_trains_at_the_original_script_s_lr_for_its_job_s_flags(tmp_path):
+    """The original job's flags (--batch-size 1024 --base-lr 0.04 ...) with --recipe original train at 0.04,
+    constant from the first step, as the original script did; without it the linear rule makes 0.08."""
+    original_job = ["--batch-size", 1024, "--base-lr", 0.04, "--target-accuracy", 0.95, "--patience", 2]
+    run = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 64, "--epochs", 2, "--micro-batch", 128,
+           "--log-every", 0, *TINY, "--device", "cpu"]
+    proc = launch([*original_job, "--recipe", "original", *run, "--out-dir", tmp_path / "original"], torchrun=False)
+    assert "LR 0.04 (--base-lr as given, --lr-scaling none; constant after 0 warm-up epochs)" in proc.stdout
+    assert [m["lr"] for m in read_jsonl(tmp_path / "original" / "metrics.jsonl")] == [0.04, 0.04]
+    default = launch([*original_job, *run, "--epochs", 1, "--out-dir", tmp_path / "default"], torchrun=False)
+    assert "LR 0.08 (linear scaling of 0.04 from batch 512; cosine after 1 warm-up epochs)" in default.stdout

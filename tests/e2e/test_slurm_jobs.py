@@ -25,7 +25,10 @@ NODE_ADDR = {"node1": "10.213.0.1", "node2": "10.213.0.2"}
 NODE2_HOSTS = "/etc/netns/slurmtest-node2/hosts"
 # The job scripts' #SBATCH defaults ask for a real GPU node; only what this host lacks is overridden.
 SMALL_NODE = ["--mem=2G", "--cpus-per-task=1", "--time=00:15:00"]
-TRAIN = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *TINY]
+# The placeholder GPUs are not CUDA devices: the job scripts refuse to train on the CPU unless asked to.
+CPU = ["--device", "cpu"]
+TRAIN = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *TINY,
+         *CPU]
 
 
 @pytest.fixture(scope="session")
@@ -107,13 +110,49 @@ def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
     assert "GPUs on this node: 2" in text and "torchrun: 1 node x 2 processes" in text
     assert "Training completed successfully." in text
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == 2 and summary["gpus_per_node"] == 2 and summary["nodes"] == 1
+    assert summary["world_size"] == 2 and summary["processes_per_node"] == 2 and summary["nodes"] == 1
     # The job runs the wrn-paper preset (named at the start), and the arguments after the script win.
     config = summary["config"]
     assert "=== recipe: --recipe wrn-paper" in text and config["recipe"] == "wrn-paper"
     assert config["nesterov"] and config["lr_schedule"] == "step" and config["reference_batch_size"] == 128
     assert (config["depth"], config["epochs"], config["batch_size"]) == (10, 2, 32)
     assert summary["epochs_completed"] == 2 and summary["finished"] is True
+
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # no Python environment with torch
+
+
+def test_job_without_torchrun_on_path_uses_the_project_s_venv(slurm, tmp_path):
+    """Submitted from a shell that never activated the environment: the job finds the project's .venv."""
+    venv = os.path.join(ROOT, ".venv")
+    if not os.path.exists(os.path.join(venv, "bin", "torchrun")):
+        pytest.skip("no .venv in the project (the README's set-up makes it; CI does)")
+    assert shutil.which("torchrun", path=SYSTEM_PATH) is None
+    out = tmp_path / "run"
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", out], env={"PATH": SYSTEM_PATH})
+    assert wait_job(job, log) == "COMPLETED", read(log)
+    assert f"python: {venv}/bin/python" in read(log) and "Training completed successfully." in read(log)
+
+
+def test_job_without_any_torch_environment_fails_at_once_in_one_line(slurm, tmp_path):
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", tmp_path / "run"],
+                      env={"PATH": SYSTEM_PATH, "VENV": str(tmp_path / "no-venv")})
+    assert wait_job(job, log) == "FAILED", read(log)
+    errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no torchrun on PATH" in errors[0] and "VENV=" in errors[0], read(log)
+    assert "Training started" not in read(log) and job_field(job, "ExitCode") == "2:0"
+
+
+def test_gpu_job_whose_torch_sees_no_gpu_stops_in_one_line_unless_the_cpu_is_asked_for(slurm, tmp_path):
+    """Slurm grants GPUs; this torch sees none (the CPU build here plays a CPU-only torch, or a missing
+    CUDA module): the job stops before training instead of training on the CPU for days."""
+    assert not torch.cuda.is_available()
+    train = [a for a in TRAIN if a not in CPU]
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*train, "--out-dir", tmp_path / "run"])
+    assert wait_job(job, log) == "FAILED", read(log)
+    errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Slurm granted 2 GPUs" in errors[0] and "sees none" in errors[0], read(log)
+    assert "--device cpu" in errors[0] and "Training started" not in read(log)
 
 
 def test_multinode_job_spans_both_nodes(slurm, tmp_path):
@@ -123,7 +162,7 @@ def test_multinode_job_spans_both_nodes(slurm, tmp_path):
     text = read(log)
     assert "torchrun: 2 nodes x 2 processes, rendezvous at node1:" in text
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == 4 == 2 * summary["gpus_per_node"]
+    assert summary["world_size"] == 4 == 2 * summary["processes_per_node"]
     assert summary["nodes"] == 2 and summary["hosts"] == ["node1", "node2"]
     assert summary["finished"] is True
     # Each rank ran on its node's own address, and the ranks on node2 met the others at node1's
@@ -140,7 +179,7 @@ def test_srun_direct_without_torchrun(slurm, tmp_path):
                       [*TRAIN, "--out-dir", out])
     assert wait_job(job, log) == "COMPLETED", read(log)
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == 2 and summary["gpus_per_node"] == 2 and summary["finished"] is True
+    assert summary["world_size"] == 2 and summary["processes_per_node"] == 2 and summary["finished"] is True
     # Without torchrun, RANK comes from SLURM_PROCID after start-up: still one log line, not one per task.
     assert read(log).count("Training started with 2 processes across 1 nodes.") == 1
 
@@ -164,7 +203,7 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     """No torchrun to end the other tasks: the ranks agree on rank 0's failed write and leave together."""
     fs, seen = node1_fs
     out = fs / "run"
-    train = [*TRAIN[:2], "--train-size", 1600, *TRAIN[4:8], "--epochs", 3, *TINY, "--log-every", 0]
+    train = [*TRAIN[:2], "--train-size", 1600, *TRAIN[4:8], "--epochs", 3, *TINY, *CPU, "--log-every", 0]
     job, log = sbatch("srun_direct.sh", tmp_path, ["--ntasks-per-node=2", "--gpus-per-task=1"], [*train, "--out-dir", out])
     deadline = time.time() + 300
     while not (seen / "run" / "metrics.jsonl").exists() or len(read_jsonl(seen / "run" / "metrics.jsonl")) < 1:
@@ -200,6 +239,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slur
     assert "signal received: asking the ranks to checkpoint and stop" in text
     assert "Stop requested (stop file" in text and "exiting with status 75" in text
     assert f"requeueing job {job}" in text and "(restart 1)" in text
+    # Said as a stop, not a crash: the ranks' 75, torchrun's own status, and that its FAILED lines are expected.
+    assert "the run stopped on request, checkpointed (the ranks exit 75; the launcher reports 1, so its FAILED" in text
     assert "Resumed from" in text and "Training completed successfully." in text
     assert not [f for f in os.listdir(ROOT) if f.startswith(".ddp-stop-")]  # the stop file is cleaned up
 
@@ -229,7 +270,7 @@ def test_preflight_job_checks_both_nodes(slurm, tmp_path):
 # preflight job must name the cause as a failed check.
 TIMEOUT = 20
 FAIL_TRAIN = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 32, "--batch-size", 16, "--epochs", 1,
-              *TINY[:-1], TIMEOUT]
+              *CPU, *TINY[:-1], TIMEOUT]
 PREFLIGHT = ["--dataset", "synthetic", "--device", "cpu", "--timeout", TIMEOUT]
 
 

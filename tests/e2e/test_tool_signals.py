@@ -231,8 +231,8 @@ def test_preflight_stops_on_sigterm_while_a_c_call_waits_for_a_rank_that_never_c
              "MASTER_PORT": str(port)}
     p = launched([sys.executable, f"{ROOT}/preflight.py", "--dataset", "synthetic", "--out-dir", tmp_path / "out",
                   "--device", "cpu", "--timeout", 120], tmp_path, env=ranks)
+    # The store listens from inside init_process_group, which then waits in C++ for rank 1: the event itself.
     p.wait_until(lambda: listening(port), f"the rendezvous store on port {port}")
-    time.sleep(0.5)  # into the wait for rank 1
     code, seconds = p.signal(signal.SIGTERM)
     assert_stopped(p, code, seconds, signal.SIGTERM, "preflight.py: rank 0: stopped by SIGTERM")
 

@@ -1,6 +1,7 @@
 """Whole training runs: a tiny WRN learns (far above chance) on 1 and 2 ranks and prints the original script's
 lines once, not once per rank; the README's one-minute CPU run learns; early stopping stops every
 rank at the same epoch; and a compiled DDP run saves a checkpoint the plain model loads."""
+import json
 import os
 import re
 
@@ -37,7 +38,7 @@ def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir,
     assert all(m["val_count"] == 500 for m in metrics)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == world_size and summary["nodes"] == 1 and summary["gpus_per_node"] == world_size
+    assert summary["world_size"] == world_size and summary["nodes"] == 1 and summary["processes_per_node"] == world_size
     assert summary["epochs_completed"] == 4 and summary["stopped_early"] is False
     assert summary["final_val_acc"] == metrics[-1]["val_acc"] >= 0.5, "chance is 0.01"
     assert summary["best_val_acc"] == max(m["val_acc"] for m in metrics)
@@ -87,3 +88,54 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     acc = float(re.search(r"Validation Accuracy: ([\d.]+)", evaluated.stdout).group(1))
     # The same weights; compiled and eager kernels may round differently, enough to flip one near-tie.
     assert acc == pytest.approx(read_jsonl(out / "metrics.jsonl")[-1]["val_acc"], abs=1 / 50 + 1e-9)
+
+
+def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(tmp_path):
+    """The end of a run says what it got and where the checkpoint is; config.json keeps null as null and
+    summary.json names CPU processes on a CPU; the Config line lists only what differs from the defaults.
+    Rerun with the same command, the finished run says so and exits 0 (a requeue); with another batch, or
+    --epochs at or below what it did, it is refused in one line naming the ways on; --epochs 3 trains on."""
+    out = tmp_path / "run"
+    run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32, "--epochs", 2,
+           "--out-dir", out, "--log-every", 0, *TINY]
+    first = launch(run, torchrun=False)
+    summary, config = read_json(out / "summary.json"), read_json(out / "config.json")
+    metrics = read_jsonl(out / "metrics.jsonl")
+    best = max(metrics, key=lambda m: m["val_acc"])
+    assert first.stdout.splitlines()[-1] == (
+        f"Result: final validation accuracy {summary['final_val_acc']:.4f} (epoch 2), best "
+        f"{summary['best_val_acc']:.4f} (epoch {best['epoch']}); checkpoint {out}/checkpoint.pt")
+    assert "Training completed successfully.\nResult: " in first.stdout  # after the original script's lines
+    assert config["amp_dtype"] is None and config["micro_batch"] is None
+    assert summary["cpu_processes_per_node"] == summary["processes_per_node"] == 1 and summary["gpus_per_node"] == 0
+    shown = json.loads(re.search(r"^Config: (\{.*\}) \(the rest: the defaults; all of it in ", first.stdout, re.M)[1])
+    assert shown == {"batch_size": 32, "epochs": 2, "depth": 10, "widen_factor": 1, "dataset": "synthetic",
+                     "train_size": 128, "test_size": 50, "workers": 0, "out_dir": str(out), "timeout": 120,
+                     "log_every": 0}
+
+    before = (out / "checkpoint.pt").stat().st_mtime_ns
+    again = launch(run, torchrun=False)
+    assert again.stdout.strip() == (f"{out}/checkpoint.pt holds a run trained for 2 epochs; final validation accuracy "
+                                    f"{summary['final_val_acc']:.4f}, best {summary['best_val_acc']:.4f}: nothing to "
+                                    f"train; --epochs N (more than 2) trains it on, or another --out-dir starts afresh.")
+    assert (out / "checkpoint.pt").stat().st_mtime_ns == before and read_jsonl(out / "metrics.jsonl") == metrics
+
+    for changed, says in ((["--epochs", 1], "error: --epochs 1 leaves nothing to train: "),
+                          (["--batch-size", 64], "this command changes it (resumed with changes: --batch-size 32 -> 64)"
+                                                 " but trains nothing")):
+        refused = launch([*run, *changed], torchrun=False, check=False)
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+        assert refused.returncode == 2 and len(errors) == 1 and says in errors[0], refused.stderr
+        assert f"{out}/checkpoint.pt holds a run trained for 2 epochs" in errors[0]
+        assert "--epochs N (more than 2) trains it on, or another --out-dir starts afresh" in errors[0]
+        assert "Training started" not in refused.stdout and (out / "checkpoint.pt").stat().st_mtime_ns == before
+
+    # A run that died after its last checkpoint, before its summary (a full disk, a lost node): the same
+    # command trains nothing and writes the records it lacked.
+    (out / "summary.json").unlink()
+    repaired = launch(run, torchrun=False)
+    assert "Epoch " not in repaired.stdout and "Training completed successfully." in repaired.stdout
+    assert read_json(out / "summary.json")["final_val_acc"] == summary["final_val_acc"]
+    assert (out / "checkpoint.pt").stat().st_mtime_ns == before and read_jsonl(out / "metrics.jsonl") == metrics
+    more = launch([*run, "--epochs", 3], torchrun=False)
+    assert "Epoch 3/3 completed" in more.stdout and [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]

@@ -37,7 +37,7 @@ def test_training_on_gpus_resumes_and_finishes(tmp_path, amp):
     assert f"Using {NPROC} GPUs per node." in first.stdout
     ckpt = load_model_state(out)
     assert len(ckpt["rng_cuda"]) == NPROC and ckpt["config"]["device_type"] == "cuda"
-    assert ckpt["config"]["amp_dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[amp]
+    assert ckpt["config"]["amp_dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[amp]
     second = launch([*RUN, "--amp", amp, "--out-dir", out], nproc=NPROC)
     assert "Resumed from" in second.stdout and "Training completed successfully." in second.stdout
     metrics = read_jsonl(out / "metrics.jsonl")

@@ -112,3 +112,10 @@ def test_the_step_that_starts_exactly_at_a_milestone_is_the_first_to_drop(epochs
         assert steps[i][0] == pytest.approx(fraction * epochs, abs=1e-12)
         assert steps[i - 1][2] == pytest.approx(before, rel=1e-12), (fraction, steps[i - 1])
         assert steps[i][2] == pytest.approx(after, rel=1e-12), (fraction, steps[i])
+
+
+def test_constant_schedule_keeps_the_peak_after_warm_up_and_without_warm_up_from_the_first_step():
+    """The original script's constant LR: 1 from the first step without warm-up, and after a warm-up."""
+    assert {lr_factor(s, s + 0.01, epochs=10, warmup_epochs=0, schedule="constant") for s in (0.0, 3.5, 9.99)} == {1.0}
+    assert lr_factor(0.0, 0.5, epochs=10, warmup_epochs=1, schedule="constant") == 0.5
+    assert lr_factor(1.0, 1.5, epochs=10, warmup_epochs=1, schedule="constant") == 1.0
