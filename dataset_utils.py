@@ -545,7 +545,11 @@ def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, work
     shard = range(rank, len(test), world_size)
     if device is not None:
         return DeviceLoader(test, device, indices=shard, batch_size=batch_size)
-    return DataLoader(ImageDataset(test), batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory))
+    # Its workers start at the first evaluation, mid-training, when the process runs other threads (gloo's, the
+    # training loader's queue feeders): a fork then can hang the child in the fork itself (seen about once in
+    # 30 two-rank runs), so they are spawned, once per run (they persist), not forked.
+    return DataLoader(ImageDataset(test), batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory),
+                      multiprocessing_context="spawn" if workers else None)
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
