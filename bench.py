@@ -173,7 +173,8 @@ def wrap(model, args, env, compile_model: bool):
     """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph."""
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph)
+                    gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
+                    **utils.NO_FORWARD_BUFFER_SYNC)
     return torch.compile(model, dynamic=False) if compile_model else model
 
 
@@ -183,11 +184,12 @@ class TrainSteps:
     from call to call (a stop check every STOP_CHECK_EVERY steps, as in one long run). Also the loop's
     checkpoint, which saves nothing (cfg.checkpoint_every is 0)."""
 
-    def __init__(self, model, training, cfg, *, stop=None, progress_log=None):
+    def __init__(self, model, training, cfg, *, stop=None, step_log=None):
         self.model, self.training, self.cfg = model, training, cfg
         self.per_epoch = training.train_loader.batch_sampler.num_samples // cfg.batch_size
         self.stop = stop or utils.StopRequest()  # outside a `with`, it installs no signal handlers
-        self.progress_log = progress_log or utils.ProgressLog(0)  # 0: no progress lines
+        # The recipe's: no progress lines (0), each step's phases timed, as in training.
+        self.step_log = step_log or utils.StepLog(0, training.normalize.scale.device)
         self.steps = self.epoch = 0
 
     def run(self, n: int) -> None:
@@ -195,7 +197,7 @@ class TrainSteps:
             k, self.epoch = min(n, self.per_epoch), self.epoch + 1
             progress = utils.Progress(position=(self.per_epoch - k) * self.cfg.batch_size, step=self.steps)
             if train_ddp.train_one_epoch(self.model, self.training, cfg=self.cfg, epoch=self.epoch, progress=progress,
-                                         stop=self.stop, checkpoint=self, progress_log=self.progress_log):
+                                         stop=self.stop, checkpoint=self, step_log=self.step_log):
                 raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
             self.steps, n = self.steps + k, n - k
 
@@ -240,7 +242,8 @@ def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
                                  scaler=Marked(training.scaler, mark, before={"step": "fwd_bwd"},
                                                after={"update": "optimizer"}))
     loop = TrainSteps(model, marked, cfg, stop=Marked(utils.StopRequest(), mark, after={"check": "stop check"}),
-                      progress_log=Marked(utils.ProgressLog(0), mark, after={"update": "step", "clear": "epoch"}))
+                      step_log=Marked(utils.StepLog(0, training.normalize.scale.device), mark,
+                                      after={"update": "step", "start": "epoch"}))
     loop.run(warmup)
     marks.clear()
     loop.run(steps)
@@ -481,6 +484,9 @@ class ReadyLoader:
     def __iter__(self):
         return iter([next(self.batches)])
 
+    def step_split(self, position: int) -> tuple:
+        return self.batch_sampler.step_split(position)
+
 
 def loop_overhead_check(args, cfg, env) -> dict:
     """The training loop's overhead, on one thread. Each round runs one step of each of three loops, in an
@@ -520,13 +526,14 @@ def loop_overhead_check(args, cfg, env) -> dict:
     step = TrainSteps(model, dataclasses.replace(training, normalize=identity,
                                                  train_loader=ReadyLoader(ready, cfg.batch_size)), cfg)
     recipe = TrainSteps(model, training, cfg)
+    untimed = TrainSteps(model, training, cfg, step_log=utils.StepLog(0, normalize.scale.device, timed=False))
 
     def data_path(n):
         for epoch in range(n):
             batches(epoch)
 
-    loops = {"bare": bare_loop, "step": step.run, "recipe": recipe.run, "data": data_path}
-    orders = list(itertools.permutations(["bare", "step", "recipe"]))
+    loops = {"bare": bare_loop, "step": step.run, "recipe": recipe.run, "untimed": untimed.run, "data": data_path}
+    orders = list(itertools.permutations(["bare", "step", "recipe", "untimed"]))
     times = {name: [] for name in loops}
     for rnd in range(WARMUP_ROUNDS + args.rounds):
         for name in (*orders[rnd % len(orders)], "data"):
@@ -535,14 +542,18 @@ def loop_overhead_check(args, cfg, env) -> dict:
             if rnd >= WARMUP_ROUNDS:
                 times[name].append(time.process_time() - t)
     ratio = {name: spread([t / b - 1 for t, b in zip(times[name], times["bare"])]) for name in ("step", "recipe")}
+    # The cost of the recipe's per-step timing (StepLog's marks): the recipe's loop against itself untimed.
+    ratio["timing"] = spread([t / u - 1 for t, u in zip(times["recipe"], times["untimed"])])
     data_share = spread([t / b for t, b in zip(times["data"], times["bare"])])
     ms = {name: statistics.median(ts) for name, ts in times.items()}
     result = {"model": f"WRN-{cfg.depth}-{cfg.widen_factor}", "batch": cfg.batch_size, "rounds": args.rounds,
               "threads": torch.get_num_threads(), "clock": "process CPU time", "bare_step_s": ms["bare"],
               "step_step_s": ms["step"], "ours_step_s": ms["recipe"], "data_path_s": ms["data"],
+              "untimed_step_s": ms["untimed"], "timing_cost": ratio["timing"],
               "bookkeeping": ratio["step"], "overhead": ratio["recipe"], "overhead_fraction": ratio["recipe"]["median"],
               "data_path_fraction": data_share["median"], "data_path_share": data_share,
-              "decision": {"bookkeeping": decide(ratio["step"]), "end_to_end": decide(ratio["recipe"])},
+              "decision": {"bookkeeping": decide(ratio["step"]), "end_to_end": decide(ratio["recipe"]),
+                           "timing": decide(ratio["timing"], target=0.01)},
               "per_round_s": times}
     if args.profile:
         result["profile"] = profile_loops({"bare": bare_loop, "step": step.run, "recipe": recipe.run}, 10)
@@ -570,6 +581,8 @@ def report_cpu_checks(c: dict, seconds: float) -> None:
         f"{pct(lo['bookkeeping'])}")
     log(f"  decision (target: at most 3%): the loop's own overhead is {lo['decision']['bookkeeping']}; end to end, "
         f"with the data path, {lo['decision']['end_to_end']}")
+    log(f"  the per-step time split (StepLog's marks) against the same loop untimed: {pct(lo['timing_cost'])}; "
+        f"target at most 1%: {lo['decision']['timing']}")
     if "profile" in lo:
         prof = lo["profile"]
         log("  profile, self CPU ms per step (10 steps of each loop, 3 times in turn): " + "; ".join(

@@ -20,15 +20,19 @@ import pickle
 import signal
 import socket
 import tempfile
+import traceback
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils.data import DataLoader, Dataset, default_collate
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 from torchvision.datasets import CIFAR100
 from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
 from machinery.checkpoints import check_same_data
-from machinery.errors import UserError, call_and_agree
+from machinery.errors import UserError, all_gather, call_and_agree
+from machinery.output import log
+from machinery.signals import STOP_CHECK_EVERY
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
 # environment points at a mirror instead (the md5 check still applies).
@@ -189,8 +193,12 @@ def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
     return ImageData(images, labels, num_classes=CIFAR100_CLASSES)
 
 
-def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
-    """The train or test split of `dataset`, cut to its first `size` samples if size > 0."""
+def load_split(dataset: str, data_dir: str, train: bool, size: int = 0, env=None) -> ImageData:
+    """The train or test split of `dataset`, cut to its first `size` samples if size > 0. CIFAR-100 is
+    downloaded and checked first if need be (prepare_cifar100: one process per node; `env`: this process's
+    DistEnv, or None for a lone process)."""
+    if dataset == "cifar100":
+        prepare_cifar100(data_dir, env)
     if dataset == "synthetic":
         full = make_synthetic(size or (50_000 if train else 10_000), train)
     else:
@@ -282,16 +290,28 @@ def check_split(split, name: str) -> tuple:
                         f"dataset_utils.ImageData, or a Dataset of (uint8 C x H x W tensor, label)")
     if len(split) == 0:
         raise UserError(f"load_data's {name} split is empty")
-    item = split[0]
+    item, first = first_readable(split, name)
     image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
     integer_label = isinstance(label, numbers.Integral) or (
         isinstance(label, torch.Tensor) and label.dim() == 0 and not label.is_floating_point())
     if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3) or not integer_label:
         got = f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} {getattr(image, 'dtype', '')}".strip()
-        raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) as item 0: "
+        raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) as item {first}: "
                         f"it must yield (uint8 tensor C x H x W, integer label); for image files, "
                         f"ImageFolder(root, transform=torchvision.transforms.v2.PILToTensor())")
     return tuple(image.shape)
+
+
+def first_readable(split, name: str, tries: int = 10) -> tuple:
+    """The first sample of a Dataset that reads, and its index: the one its image shape is taken from (an
+    unreadable one is the loader's to skip or stop on: BadSample). UserError if the first `tries` all fail."""
+    for i in range(min(tries, len(split))):
+        try:
+            return split[i], i
+        except Exception as e:  # noqa: BLE001 - any failure to read is said, with where it was raised
+            error = BadSample(name, i, sample_file(split, i), describe_exception(e))
+    raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; the first: "
+                    f"{error.describe()}")
 
 
 def stated_classes(split) -> int | None:
@@ -341,8 +361,11 @@ def fingerprint(data) -> str:
         if getattr(data, "targets", None) is not None:
             h.update(torch.as_tensor(data.targets, dtype=torch.int64).numpy().tobytes())
         for i in sorted({0, len(data) - 1}):
-            image, label = data[i]
-            h.update(image.contiguous().numpy().tobytes() + str(int(label)).encode())
+            item = read_sample(data, i, "")
+            if isinstance(item, BadSample):  # unreadable: its reason stands for it (the same on every read)
+                h.update(item.reason.encode())
+            else:
+                h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
     return f"{len(data)}:{h.hexdigest()}"
 
 
@@ -422,13 +445,15 @@ def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pa
 
 class ImageDataset(Dataset):
     """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
-    label) whose items the loader's workers read. With `augment`, items are keyed (epoch, index) and get
-    crop_flip with hash(seed, epoch, index): the same for any number of ranks or workers."""
+    label) whose items the loader's workers read; a sample that does not read as one of the split's shape
+    comes as a BadSample. With `augment`, items are keyed (epoch, index) and get crop_flip with
+    hash(seed, epoch, index): the same for any number of ranks or workers. `split`: "training" or "test"."""
 
-    def __init__(self, data, augment: bool = False, seed: int = 0):
-        self.data, self.augment, self.seed = data, augment, seed
+    def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training"):
+        self.data, self.augment, self.seed, self.split = data, augment, seed, split
         self.in_memory = isinstance(data, ImageData)
-        self.image_shape = tuple(data.images.shape[1:]) if self.in_memory else tuple(data[0][0].shape)
+        self.image_shape = (tuple(data.images.shape[1:]) if self.in_memory else
+                            tuple(first_readable(data, split)[0][0].shape))
         self.pad = crop_padding(*self.image_shape[1:])
         if self.in_memory:  # padded once, up front
             self.images = pad_images(data.images, self.pad) if augment else data.images
@@ -441,9 +466,67 @@ class ImageDataset(Dataset):
         if self.in_memory:
             image, label = self.images[idx], self.data.labels[idx]
         else:
-            image, label = self.data[idx]
+            item = read_sample(self.data, idx, self.split, self.image_shape)
+            if isinstance(item, BadSample):
+                return item
+            image, label = item
             image, label = pad_images(image, self.pad) if self.augment else image, int(label)  # int64 once collated
         return (crop_flip(image, mix64(self.seed, epoch, idx), self.pad) if self.augment else image), label
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A sample the loader could not take: its split, index, file (where the Dataset knows it) and why, and the
+    way out; `slot`: its place in the rank's batch. The loader passes it on in place of the sample, and the
+    ranks agree on it at their next check (train_utils.check_unreadable): skipped, or the run stops."""
+    split: str
+    index: int
+    file: str | None
+    reason: str
+    fix: str = "fix or remove the file"
+    slot: int = -1
+
+    def describe(self) -> str:
+        return f"{self.split} sample {self.index}{f' ({self.file})' if self.file else ''}: {self.reason}"
+
+
+def read_sample(data, idx: int, split: str, shape: tuple | None = None):
+    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given, or a BadSample saying why not: any
+    exception in reading it (a corrupt, empty or missing file; named with where it was raised), or an image
+    of another shape or type."""
+    try:
+        image, label = data[idx]
+    except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
+        return BadSample(split, idx, sample_file(data, idx), describe_exception(e))
+    if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
+                                  and tuple(image.shape) == shape):
+        got = (" x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
+               if isinstance(image, torch.Tensor) else type(image).__name__)
+        want = " x ".join(map(str, shape))
+        return BadSample(split, idx, sample_file(data, idx), f"an image of {got}, not {want} uint8 like the first",
+                         fix=f"make every image {want} in load_data (e.g. transform=v2.Compose([v2.PILToTensor(), "
+                             f"v2.Resize(({shape[1]}, {shape[2]}))]))")
+    return image, label
+
+
+def sample_file(data, idx: int) -> str | None:
+    """The file behind sample `idx`, where the Dataset lists its files (ImageFolder's `samples`), through
+    any Subset; else None."""
+    while isinstance(data, Subset):
+        data, idx = data.dataset, data.indices[idx]
+    samples = getattr(data, "samples", None) or getattr(data, "imgs", None)
+    if isinstance(samples, (list, tuple)) and 0 <= idx < len(samples):
+        entry = samples[idx]
+        return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
+    return None
+
+
+def describe_exception(e: Exception) -> str:
+    """`Type: first line of the message (at file.py:line)`, the line where it was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    message = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
 
 
 class EpochSampler:
@@ -467,16 +550,23 @@ class EpochSampler:
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.rank, self.world_size, self.accum_steps = rank, world_size, accum_steps
         assert batch_size % (world_size * accum_steps) == 0, "the global batch splits into equal micro-batches"
-        self.epoch, self.start = 0, 0
+        self.epoch, self.start, self.skipped = 0, 0, []
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
+    def set_epoch(self, epoch: int, start: int = 0, skipped: list | None = None) -> None:
+        """Sample `epoch`'s order from position `start`. `skipped`: the epoch's unreadable samples skipped so
+        far (Progress.skipped), a list the loader adds to (AgreedLoader)."""
+        self.epoch, self.start, self.skipped = epoch, start, skipped if skipped is not None else []
 
-    def step_split(self, position: int) -> tuple:
+    def step_split(self, position: int, skipped=()) -> tuple:
         """The global step that starts at `position` of the epoch's order: its number of samples (the
-        epoch's last step may be short) and the sizes of this rank's micro-batches in it."""
+        epoch's last step may be short) and the sizes of this rank's micro-batches in it, less the
+        `skipped` BadSamples (each at its slot in the rank's batch)."""
         step_samples = min(self.batch_size, self.num_samples - position)
-        return step_samples, [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
+        sizes = [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
+        ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
+        for bad in skipped:
+            sizes[next(k for k, end in enumerate(ends) if bad.slot < end)] -= 1
+        return step_samples, sizes
 
     def __iter__(self):
         order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
@@ -510,19 +600,26 @@ def data_device(loader: str, device: torch.device, *splits):
 
 
 def _collate(shape, batch):
-    """default_collate, and empty tensors for an empty batch (a rank with nothing left in the last step)."""
-    if not batch:
-        return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64)
-    return default_collate(batch)
+    """(images, labels, unreadable): default_collate of the samples that read, empty tensors if none did (or a
+    rank has nothing left in the last step), and the BadSamples in their slots."""
+    unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if isinstance(b, BadSample)]
+    good = [b for b in batch if not isinstance(b, BadSample)]
+    if not good:
+        return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), unreadable
+    return (*default_collate(good), unreadable)
 
 
 def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, accum_steps: int, eval_batch: int,
-                  seed: int, workers: int, pin_memory: bool, device=None):
+                  seed: int, workers: int, pin_memory: bool, device=None, skip_bad_samples: int = 0,
+                  checkpoint_every: int = 0):
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
-    micro-batches back to back; call sampler.set_epoch each epoch) and the test loader (sharded
-    without padding or dropping: every test image is scored exactly once, in batches of `eval_batch`).
-    The splits are ImageData or Datasets (measure_data); train may be None (no training loader). With
-    `device`, both are DeviceLoaders over ImageData held on that device; else DataLoaders."""
+    micro-batches back to back; call batch_sampler.set_epoch each epoch, and step_split for each batch's
+    micro-batches) and the test loader (sharded without padding or dropping: every test image is scored
+    exactly once, in batches of `eval_batch`). The splits are ImageData or Datasets (measure_data); train
+    may be None (no training loader). With `device`, both are DeviceLoaders over ImageData held on that
+    device; else DataLoaders whose workers read the samples, in AgreedLoaders that skip up to
+    `skip_bad_samples` unreadable training samples per epoch (none in the test set), agreed on at the
+    recipe's stop checks and every `checkpoint_every` steps."""
     test_loader = build_test_loader(test, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers,
                                     pin_memory=pin_memory, device=device)
     if train is None:  # --evaluate
@@ -536,7 +633,7 @@ def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, a
     dataset = ImageDataset(train, augment=True, seed=seed)
     train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, dataset.image_shape),
                               **_loader_options(workers, pin_memory, seed))
-    return train_loader, test_loader
+    return AgreedLoader(train_loader, limit=skip_bad_samples, checkpoint_every=checkpoint_every), test_loader
 
 
 def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool,
@@ -545,11 +642,13 @@ def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, work
     shard = range(rank, len(test), world_size)
     if device is not None:
         return DeviceLoader(test, device, indices=shard, batch_size=batch_size)
+    dataset = ImageDataset(test, split="test")
     # Its workers start at the first evaluation, mid-training, when the process runs other threads (gloo's, the
     # training loader's queue feeders): a fork then can hang the child in the fork itself (seen about once in
     # 30 two-rank runs), so they are spawned, once per run (they persist), not forked.
-    return DataLoader(ImageDataset(test), batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory),
-                      multiprocessing_context="spawn" if workers else None)
+    return AgreedLoader(DataLoader(dataset, batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory),
+                                   collate_fn=functools.partial(_collate, dataset.image_shape),
+                                   multiprocessing_context="spawn" if workers else None))
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
@@ -561,6 +660,72 @@ def _ignore_ctrl_c(worker_id: int) -> None:
     """Ctrl-C reaches the loader workers too (one process group); the main process turns it into a
     checkpointed stop, which needs them alive until then."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class AgreedLoader:
+    """A DataLoader over ImageDataset, whose batches lack the samples that did not read (BadSample): it yields
+    (images, labels) of the rest, and step_split(position) gives the micro-batches' sizes without them. The
+    ranks agree on the unreadable samples (check_unreadable, a small all-reduce) at the training loop's
+    checks (every STOP_CHECK_EVERY and `checkpoint_every` steps, before any checkpoint) and after the last
+    batch: each is named in the log and skipped, up to `limit` per epoch; past it, or for any test sample,
+    every rank raises UserError naming it."""
+
+    def __init__(self, loader: DataLoader, limit: int = 0, checkpoint_every: int = 0):
+        self.loader, self.limit, self.checkpoint_every = loader, limit, checkpoint_every
+        self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, EpochSampler) else None
+        self.found, self.gaps = [], []  # unreadable since the last check; the last batch's
+
+    def __len__(self):
+        return len(self.loader)
+
+    def step_split(self, position: int) -> tuple:
+        return self.batch_sampler.step_split(position, skipped=self.gaps)
+
+    def __iter__(self):
+        sampler = self.batch_sampler
+        step = -(-sampler.start // sampler.batch_size) if sampler else 0  # the steps the epoch has taken
+        for images, labels, unreadable in self.loader:
+            step, self.gaps = step + 1, unreadable
+            self.found += unreadable
+            if sampler and (step % STOP_CHECK_EVERY == 0 or (self.checkpoint_every and step % self.checkpoint_every == 0)):
+                self.check()
+            yield images, labels
+        self.check()
+
+    def check(self) -> None:
+        """The ranks agree on the samples found unreadable since the last check: a collective."""
+        skipped = self.batch_sampler.skipped if self.batch_sampler else []
+        check_unreadable(self.found, skipped=skipped, limit=self.limit if self.batch_sampler else 0)
+
+
+def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
+    """The ranks agree on the unreadable samples (BadSample) each `found` since the last check: one small
+    all-reduce, and the samples gathered only if there are any. Each is named in the log and its description
+    added to `skipped` (the epoch's so far), up to `limit` in all; past it, or for any test sample (the test
+    set is scored whole), every rank raises UserError naming it and the way out. Empties `found`."""
+    if dist.is_initialized():
+        nccl = dist.get_backend() == "nccl"  # NCCL reduces only CUDA tensors: on this rank's GPU (set_device)
+        count = torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")
+        dist.all_reduce(count)
+    else:
+        count = torch.tensor([len(found)])
+    if not count.item():
+        return
+    new = sorted((bad for mine in all_gather(list(found)) for bad in mine), key=lambda bad: (bad.split, bad.index))
+    found.clear()
+    first = new[0]
+    if first.split == "test":
+        raise UserError(f"{first.describe()}; {first.fix} (the test set is scored whole: --skip-bad-samples skips "
+                        f"training samples only)")
+    if not limit:
+        raise UserError(f"{first.describe()}; {first.fix}, or skip such samples with --skip-bad-samples N")
+    if len(skipped) + len(new) > limit:
+        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples {limit}), the "
+                        f"last {new[-1].describe()}; {new[-1].fix} (the log names the others), or raise "
+                        f"--skip-bad-samples")
+    for bad in new:
+        skipped.append(bad.describe())
+        log(f"warning: skipped {bad.describe()} ({len(skipped)} of at most {limit} this epoch)")
 
 
 class DeviceLoader:
@@ -580,6 +745,9 @@ class DeviceLoader:
 
     def __len__(self):
         return len(self.sampler) if self.sampler is not None else -(-len(self.indices) // self.batch_size)
+
+    def step_split(self, position: int) -> tuple:
+        return self.sampler.step_split(position)
 
     def __iter__(self):
         if self.sampler is None:

@@ -4,15 +4,13 @@
     torchrun --standalone --nproc_per_node=4 train_ddp.py             # one node, 4 GPUs
     sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 
-The same file runs under plain python and under torchrun: the launcher's environment (RANK,
-LOCAL_RANK, WORLD_SIZE) says whether this is one process of many. On CUDA each process drives the
-GPU of its LOCAL_RANK with NCCL; without CUDA it runs on CPU with gloo.
-
-Read it top to bottom: the flags and the named recipes; the two places marked ADAPT, where your model
-and data go (the data describe themselves: channels, size, classes, mean and std, and the model, the
-normalisation and the augmentation follow); then the DDP story: train_step, train_one_epoch,
-evaluate, and train(), which sets the run up, wraps the model in DDP and loops over the epochs. For a
-task other than classification, also change loss_fn in build_training and the metrics in evaluate().
+The same file runs under plain python and under torchrun: the launcher's environment (RANK, LOCAL_RANK,
+WORLD_SIZE) says whether this is one process of many. On CUDA each process drives the GPU of its LOCAL_RANK
+with NCCL; without CUDA it runs on CPU with gloo. Read it top to bottom: the flags and the named recipes;
+the two places marked ADAPT, where your model and data go (the data describe themselves: channels, size,
+classes, mean and std, and the model, the normalisation and the augmentation follow); then the DDP story:
+train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP and loops
+over the epochs. For a task other than classification, also change loss_fn and the metrics in evaluate().
 """
 import argparse
 import sys
@@ -31,10 +29,9 @@ from model import WideResNet, depth_arg, width_arg
 # Named presets for --recipe: flag -> value, under any flag given on the command line. With no
 # --recipe the defaults are the original script's 5-epoch smoke run.
 RECIPES = {
-    # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016, arXiv:1605.07146: 79.6% top-1):
-    # SGD with Nesterov momentum 0.9, LR 0.1 for a batch of 128, weight decay 5e-4, 200 epochs, x0.2 at
-    # epochs 60, 120 and 160; carried to a global batch of 512 by the linear rule (LR 0.4), with a 5-epoch
-    # warm-up for the larger batch (Goyal et al. 2017). The job scripts run it.
+    # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016, arXiv:1605.07146: 79.6% top-1): SGD with
+    # Nesterov momentum 0.9, LR 0.1 per 128 samples, weight decay 5e-4, 200 epochs, x0.2 at epochs 60, 120, 160;
+    # carried to a global batch of 512 by the linear rule (LR 0.4), with a 5-epoch warm-up (Goyal et al. 2017).
     "wrn-paper": dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
                       reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
                       momentum=0.9, nesterov=True, weight_decay=5e-4),
@@ -57,8 +54,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--base-lr", type=float, default=0.01, help="LR for a global batch of --reference-batch-size")
     add("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) for early stopping")
     add("--patience", type=int, default=2, help="stop after this many epochs in a row at or above the target")
-    add = p.add_argument_group("recipe").add_argument
-    add("--recipe", choices=sorted(RECIPES), default=None, help="a named preset (below); flags given win over it")
     add = p.add_argument_group("model").add_argument
     add("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
     add("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
@@ -71,9 +66,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data kept on the device (the CPU "
         "without CUDA); torch: DataLoader workers; auto: gpu on CUDA, else torch")
     add("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
+    add("--skip-bad-samples", type=int, default=0, help="skip up to N unreadable training samples per epoch (0: stop)")
     add = p.add_argument_group("optimisation and schedule").add_argument
-    add("--micro-batch", type=int, default=None, help="most samples per forward on a rank, more by accumulation "
-        "(default: %(default)s, no cap)")
+    add("--micro-batch", type=int, default=None, help="most samples per forward on a rank, more by accumulation")
     add("--reference-batch-size", type=int, default=512, help="the global batch --base-lr was tuned for")
     add("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="LR rule for the batch's ratio")
     add("--lr-schedule", choices=["cosine", "step", "constant"], default="cosine", help="after warm-up: cosine to 0, "
@@ -84,7 +79,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     add("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
     add("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
+    add("--find-unused-parameters", action="store_true", help="let the loss leave parameters out (DDP: cost per step)")
     add = p.add_argument_group("the run").add_argument
+    add("--recipe", choices=sorted(RECIPES), default=None, help="a named preset (below); flags given win over it")
     add("--out-dir", default="./runs/wrn", help="checkpoints, metrics and summary; a checkpoint here is resumed")
     add("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
@@ -97,6 +94,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--evaluate", action="store_true", help="score the checkpoint in --out-dir on its test set, and exit")
     add("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     add("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
+    add("--profile", action="store_true", help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
     return p
 
 
@@ -116,11 +114,9 @@ def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
     not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
-    # ADAPT (2/2): your data here.
-    if cfg.dataset == "cifar100":
-        dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
-    return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size) if train else None,
-            dataset_utils.load_split(cfg.dataset, cfg.data_dir, False, cfg.test_size))
+    # ADAPT (2/2): your data here. (CIFAR-100 is downloaded and checked first by one process per node.)
+    return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size, env) if train else None,
+            dataset_utils.load_split(cfg.dataset, cfg.data_dir, False, cfg.test_size, env))
 
 
 @dataclass
@@ -150,66 +146,68 @@ def build_training(cfg, env, data) -> Training:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
-    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part: each rank
-    # its share of every global batch, a new order per epoch. Unlike it, it pads nothing (every sample once
-    # per epoch), deals each rank's micro-batches as virtual ranks (so accumulation trains as more GPUs
-    # would), and can start mid-epoch; set_epoch(epoch, start=position) in train_one_epoch is the call that
-    # plays DistributedSampler.set_epoch's role. Test: rank r scores images r, r + world_size, ...
+    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each
+    # rank its share of every global batch, a new order per epoch; unlike it, it pads nothing, deals micro-batches
+    # as virtual ranks (accumulation trains as more GPUs would), starts mid-epoch. Test: rank r scores r, r + W, ...
     train_loader, test_loader = dataset_utils.build_loaders(
         data.train, data.test, batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size,
         accum_steps=cfg.accumulation_steps, eval_batch=cfg.eval_batch, seed=cfg.seed, workers=cfg.num_workers,
-        pin_memory=device.type == "cuda", device=data.device)
+        pin_memory=device.type == "cuda", device=data.device, skip_bad_samples=cfg.skip_bad_samples,
+        checkpoint_every=cfg.checkpoint_every)  # when the ranks agree on unreadable samples: before checkpoints
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=device.type == "cuda")
     return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader)
 
 
 def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes,
-               step_samples):
+               step_samples, step_log):
     """One optimizer step on this rank's share of a global batch of `step_samples` samples, in micro-batches
-    of `micro_sizes` (EpochSampler.step_split); `loss_fn` sums. Returns the step's loss sums on the device
-    (utils.loss_stats): reading the loss on the host here would stall the GPU every step."""
+    of `micro_sizes` (EpochSampler.step_split); `loss_fn` sums; `step_log` (utils.StepLog) times its phases.
+    Returns the step's loss sums on the device (utils.loss_stats): a read on the host would stall the GPU."""
     device = normalize.scale.device
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
+    step_log.mark("data")  # since the previous step: the loader's next batch, its copy and normalisation
     optimizer.zero_grad(set_to_none=True)
     # DDP averages the ranks' gradients, so each rank divides its sum by the step's samples per rank:
     # the update is then the mean over the whole global batch, even when the last step is uneven.
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        # DDP all-reduces the gradients in the last micro-step's backward, overlapped with it; the
-        # others only accumulate locally (no_sync).
+        # DDP all-reduces the gradients in the last micro-step's backward, overlapped; the others accumulate.
         with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
         stats = stats + utils.loss_stats(loss.detach(), y.numel())
-        # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks,
-        # rank 0's BatchNorm running statistics are the ones kept (DDP broadcasts them), and they saw only
+        # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks, rank
+        # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw only
         # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
             kept_buffers = [b.detach().clone() for b in model.buffers()]
+    step_log.mark_backward()  # forward and backward, then the all-reduce's tail that backward did not hide
     for buffer, kept in zip(model.buffers(), kept_buffers or []):
         buffer.copy_(kept)
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
+    step_log.mark("optimizer")
     return stats
 
 
-def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, checkpoint, progress_log) -> bool:
-    """Train the rest of `epoch` from progress.position. Returns True if the ranks agreed to stop
-    (a stop request), with a checkpoint saved. Raises UserError if the loss went non-finite."""
+def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, checkpoint, step_log) -> bool:
+    """Train the rest of `epoch` from progress.position (`step_log`: progress lines, time split). True if the
+    ranks agreed to stop (a stop request), with a checkpoint saved; UserError if the loss went non-finite."""
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
-    loader.batch_sampler.set_epoch(epoch, start=progress.position)  # a new order per epoch; after a resume, the rest
+    loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # after a resume: the rest
     # Loss sum over finite losses, their n, and all n. A resumed epoch's sums so far count once: on rank 0.
     first = not dist.is_initialized() or dist.get_rank() == 0
     sums = torch.tensor(progress.sums if first else [0.0] * 3, dtype=torch.float64, device=device)
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
     t0 = time.perf_counter() - progress.elapsed_s
+    step_log.start()
     for images, labels in loader:
-        step_samples, micro_sizes = loader.batch_sampler.step_split(progress.position)  # the last step may be short
+        step_samples, micro_sizes = loader.step_split(progress.position)  # the last step may be short; unread: gaps
         done = progress.position + step_samples
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
         # so a resume with another batch size keeps its schedule.
@@ -219,18 +217,18 @@ def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, ch
             group["lr"] = lr
         sums += train_step(model, images, labels, normalize=training.normalize, optimizer=optimizer,
                            scaler=training.scaler, loss_fn=training.loss_fn, amp_dtype=cfg.amp_dtype,
-                           micro_sizes=micro_sizes, step_samples=step_samples)
+                           micro_sizes=micro_sizes, step_samples=step_samples, step_log=step_log)
         progress.position, progress.step = done, progress.step + 1
-        progress_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)
+        step_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)  # a progress line, if due
         if utils.stop_or_checkpoint_mid_epoch(progress, sums, t0=t0, cfg=cfg, stop=stop, checkpoint=checkpoint,
                                               allow_nonfinite=training.scaler.is_enabled()):
             return True
-    # The epoch's loss sums over all ranks. This waits for the slowest rank, like the original script's
-    # barrier, so the epoch's time is honest.
+        step_log.end_step()
+    # The epoch's loss sums over all ranks: this waits for the slowest rank (the original's barrier): an honest time.
     if dist.is_initialized():
         dist.all_reduce(sums)
+    step_log.mark("sync")
     progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - t0
-    progress_log.clear()
     return False
 
 
@@ -239,9 +237,8 @@ def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int
     """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
     the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
     forward may broadcast, and a rank with an empty shard would not join. The count check: every image once."""
-    # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP
-    # re-sends rank 0's only at the start of a training forward): rank 0's go to every rank, so that all
-    # evaluate the one model rank 0 saves.
+    # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does not
+    # re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -281,26 +278,32 @@ def train(cfg, env, found, lock) -> int:
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
                                   model=model, optimizer=training.optimizer, scaler=training.scaler)
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
-    if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy
+    # Progress lines, and where each rank's step time goes, side by side at each epoch's end (--profile: traces).
+    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile")
+    if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
+        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
+        # statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads them needs it.
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
+                    **utils.NO_FORWARD_BUFFER_SYNC)
+        step_log.watch_ddp(model)  # DDP's own all-reduce, timed; parameters left out of the loss said in one line
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = torch.compile(model, dynamic=False), torch.compile(eval_model, dynamic=False)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
     run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, metrics, ...
-    progress_log = utils.ProgressLog(cfg.log_every)
     with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
         for epoch in progress.epochs_left(cfg.epochs):
             if train_one_epoch(model, training, cfg=cfg, epoch=epoch, progress=progress, stop=stop,
-                               checkpoint=checkpoint, progress_log=progress_log):
-                return utils.EXIT_STOPPED  # a stop request mid-epoch, checkpointed: run again to resume
+                               checkpoint=checkpoint, step_log=step_log):
+                return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
             stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN raises
             val = evaluate(eval_model, training.test_loader, normalize=training.normalize, device=env.device,
                            amp_dtype=cfg.amp_dtype, expected_count=len(data.test))
-            metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg)
-            utils.log_epoch(metrics, cfg.epochs)  # the original script's four lines
+            metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg,
+                                            timing=step_log.finish_epoch(env.rank))  # every rank's time split
+            utils.log_epoch(metrics, cfg.epochs)  # the original script's four lines, and a rank that held others back
             checkpoint.save(progress)
             run_files.add_epoch(metrics)
             if progress.stopped_early:
@@ -308,8 +311,8 @@ def train(cfg, env, found, lock) -> int:
                 break
             if stopping and epoch < cfg.epochs:  # a stop request at the epoch's end
                 utils.log(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with status "
-                          f"{utils.EXIT_STOPPED} to be resumed.")
-                return utils.EXIT_STOPPED
+                          f"{stop.exit_status} to be resumed.")
+                return stop.exit_status
             if epoch == cfg.stop_after_epoch and epoch < cfg.epochs:
                 utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
                 break
@@ -334,8 +337,7 @@ def evaluate_checkpoint(cfg, env, found) -> int:
 
 def main(args, explicit=frozenset()) -> int:
     """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
-    evaluate); tear down whatever happens. A UserError ends every rank with one line from rank 0 and exit
-    status 2 (74 for a failed write)."""
+    evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a write)."""
     lock = None
     try:
         env = utils.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo

@@ -11,6 +11,7 @@ said once by rank 0. Nothing runs at import."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import time
@@ -29,14 +30,15 @@ from machinery.files import write_on_main
 from machinery.launch import DistEnv, default_workers, host_name, init_distributed
 from machinery.lock import lock_out_dir
 from machinery.output import log
-from machinery.records import ProgressLog, RunFiles
+from machinery.records import RunFiles
 from machinery.signals import STOP_CHECK_EVERY, StopRequest
+from machinery.timing import StepLog
 
 __all__ = [  # what the recipe calls, from here or from the machinery
     "run_cli", "init_distributed", "check_args", "lock_out_dir", "find_checkpoint", "make_config", "RunConfig",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch", "lr_factor",
-    "sync_gradients", "loss_stats", "stop_or_checkpoint_mid_epoch", "StopRequest", "ProgressLog", "Progress",
-    "Checkpoint", "RunFiles", "DistEnv", "Found"]
+    "sync_gradients", "loss_stats", "stop_or_checkpoint_mid_epoch", "NO_FORWARD_BUFFER_SYNC", "StopRequest",
+    "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
 
 # ------------------------------------------------------------- the config: flags and world, computed once
@@ -134,6 +136,12 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
 
 # ------------------------------------------------------------------ the gradient all-reduce, and the loss sums
 
+# DDP's option that turns off its broadcast of the buffers before every forward: forward_sync_buffers since torch
+# 2.14 (broadcast_buffers, which older versions have, is deprecated there).
+NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                          else {"broadcast_buffers": False})
+
+
 def sync_gradients(model, enabled: bool):
     """A context for one backward: DDP all-reduces the gradients in it if `enabled`, and else only
     accumulates them locally (DDP's no_sync), through torch.compile's wrapper; a no-op without DDP."""
@@ -152,7 +160,8 @@ def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
 def stop_or_checkpoint_mid_epoch(progress, sums: torch.Tensor, *, t0: float, cfg, stop, checkpoint,
                                  allow_nonfinite: bool) -> bool:
     """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
-    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
+    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now.
+    (The training loader agrees on unreadable samples at the same steps: dataset_utils.AgreedLoader.)"""
     step = progress.step
     checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
     if step % STOP_CHECK_EVERY and not checkpoint_due:
@@ -185,14 +194,16 @@ class Progress:
     total_time_s: float = 0.0
     total_images: int = 0
     stopped_early: bool = False
+    skipped: list = field(default_factory=list)  # that epoch's unreadable samples skipped so far (AgreedLoader)
 
     def epochs_left(self, epochs: int) -> range:
         """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
         return range(self.epoch + 1, epochs + 1) if not self.stopped_early else range(0)
 
-    def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg) -> dict:
+    def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict) -> dict:
         """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training loss
-        and samples, the test metrics, the LR of its last step, its time), kept in the history; decide
+        and samples, the test metrics, the LR of its last step, its time, and `timing`: every rank's
+        split of its step time, from StepTimer.finish_epoch), kept in the history; decide
         early stopping (from the all-reduced accuracy, so every rank decides alike); the next epoch
         starts at its beginning. Returns the row."""
         loss_sum, n_finite, count = self.sums
@@ -200,13 +211,15 @@ class Progress:
                    "lr": lr, "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s}
         if n_finite < count:  # fp16: samples whose loss was not finite, in steps the scaler skipped
             metrics["nonfinite_samples"] = int(count - n_finite)
+        metrics["skipped_samples"] = len(self.skipped)  # unreadable, skipped (--skip-bad-samples); named in the log
+        metrics.update(timing)
         self.history.append(metrics)
         recent = [m["val_acc"] for m in self.history[-cfg.patience:]]
         self.stopped_early = len(recent) == cfg.patience and min(recent) >= cfg.target_accuracy
         self.epoch, self.position, self.step = epoch, 0, 0
         self.total_time_s += self.elapsed_s
         self.total_images += int(count)
-        self.sums, self.elapsed_s = [0.0] * 3, 0.0
+        self.sums, self.elapsed_s, self.skipped = [0.0] * 3, 0.0, []
         return metrics
 
 
@@ -324,11 +337,20 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
 
 
 def log_epoch(metrics: dict, epochs: int) -> None:
-    """The original script's four lines per epoch, and a warning if fp16's scaler skipped steps."""
+    """The original script's four lines per epoch; then, where they apply, the peak GPU memory, the rank
+    that held the others back, and fp16's skipped steps."""
     log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
     log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
     log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
     log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
+    if "peak_memory_gib" in metrics:  # CUDA
+        ranks = metrics["rank_times"]
+        top = max(ranks, key=lambda r: r["peak_memory_gib"])
+        log(f"Peak GPU memory: {top['peak_memory_gib']:.2f} GiB (rank {top['rank']} on {top['host']}; the least "
+            f"{min(r['peak_memory_gib'] for r in ranks):.2f} GiB)")
+    if metrics.get("slow_rank"):
+        log(f"warning: one rank held the others back: {metrics['slow_rank']} (each rank's split: rank_times in "
+            f"metrics.jsonl)")
     if metrics.get("nonfinite_samples"):
         log(f"warning: {metrics['nonfinite_samples']} samples had a non-finite fp16 loss; the scaler skipped their "
             f"steps")

@@ -92,6 +92,27 @@ NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1)
 MASTER_PORT=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
 
+# A collective that times out on NCCL (a rank hung or gone) makes every rank dump its flight recorder: its
+# last collectives, which ones completed, and where it waited, into the out-dir's nccl_trace/, one file per
+# rank; `torchfrtrace <out-dir>/nccl_trace` then names the ranks that did not arrive. The ranks' own line
+# names them too where the store can tell (gloo). "$@": the training flags, for --out-dir.
+flight_recorder() {
+    local granted=${SLURM_GPUS_ON_NODE:-0} out=./runs/wrn prev=""  # train_ddp.py's default out-dir
+    [[ "$granted" =~ ^[0-9]+$ && "$granted" -gt 0 ]] || return 0  # no GPUs: no NCCL (gloo's line names them)
+    for arg in "$@"; do
+        [[ "$prev" == --out-dir ]] && out=$arg
+        [[ "$arg" == --out-dir=* ]] && out=${arg#--out-dir=}
+        prev=$arg
+    done
+    local dir="$out/nccl_trace"
+    mkdir -p "$dir" 2>/dev/null || return 0  # the run itself will say what is wrong with the out-dir
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000} TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+    export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$dir/rank_}  # older torch's name
+    export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$dir/rank_}
+    echo "=== on a collective timeout, NCCL's flight recorder dumps into $dir (read them: torchfrtrace $dir)"
+}
+
 # The ranks checkpoint and exit (status 75) when this file appears; it lives in the project
 # directory, which every node and the container see. A requeued job keeps its id: start clean.
 export DDP_STOP_FILE="$PROJECT_DIR/.ddp-stop-${SLURM_JOB_ID:-local}"

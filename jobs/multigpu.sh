@@ -30,6 +30,7 @@ source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 print_recipe "$@"
 check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
+flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
 
 # NPROC (lib.sh): one process per GPU that Slurm granted on this node.
 echo "=== torchrun: 1 node x $NPROC processes"

@@ -27,6 +27,7 @@ source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 print_recipe "$@"
 check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
+flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
 
 # NCCL knobs: uncomment what your cluster needs (see the README's troubleshooting section).
 # GPUs on different CPU sockets with broken peer-to-peer (DAIC, some PCIe boxes): hangs at the first all-reduce.

@@ -26,6 +26,7 @@ source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_summary
 print_recipe "$@"
 check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
+flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
 
 # Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
 # each task to one GPU by default, which would leave every rank asking for GPU local_rank).

@@ -9,4 +9,5 @@
     records.py      progress lines, config.json, metrics.jsonl, run.json, summary.json, eval.json, TensorBoard
     signals.py      stop requests (SIGUSR1, SIGTERM, Ctrl-C, the stop file), and the tools' one-line exit
     output.py       rank 0's log lines
+    timing.py       where each rank's step time goes, and the rank that holds the others back
 """

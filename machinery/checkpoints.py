@@ -64,6 +64,8 @@ REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "
 # Where training stands (train_utils.Progress's fields; a unit test holds the two together).
 REQUIRED_PROGRESS_KEYS = ("epoch", "position", "step", "sums", "elapsed_s", "history", "total_time_s",
                           "total_images", "stopped_early")
+# Added since, with the default that is exact for an older checkpoint: it skipped no unreadable samples.
+OPTIONAL_PROGRESS_KEYS = ("skipped",)
 
 
 def check_format(ckpt, path: str, required=()) -> None:
@@ -84,7 +86,8 @@ DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
 
 # What --evaluate may take from the command line instead of the checkpoint.
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
-                 "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp")
+                 "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp",
+                 "skip_bad_samples", "profile", "find_unused_parameters")
 
 
 def checkpoint_flags(args, explicit: set, ckpt) -> tuple:

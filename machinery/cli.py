@@ -93,7 +93,8 @@ def check_args(args, world_size: int, device: torch.device) -> None:
     for name in ("patience", "reference_batch_size", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every"):
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every",
+                 "skip_bad_samples"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if args.tensorboard:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from machinery.errors import RendezvousError, UserError, all_gather, is_timeout
+from machinery.errors import RendezvousError, UserError, all_gather, is_timeout, note_host_in_store
 
 
 @dataclass
@@ -93,6 +93,7 @@ def join_process_group(env: DistEnv, timeout_s: float) -> None:
         if (why := describe_init_failure(e, env, timeout_s)) is None:
             raise
         raise RendezvousError(why) from None
+    note_host_in_store(env.rank, host_name())  # a timeout's line can then name the host of a rank that never came
 
 
 def gather_ranks(env: DistEnv) -> list:

@@ -1,49 +1,17 @@
-"""The run's records: rank 0's progress lines, the run's files (config.json, metrics.jsonl, run.json,
-summary.json, TensorBoard, eval.json) and the original script's summary lines."""
+"""The run's records: the run's files (config.json, metrics.jsonl, run.json, summary.json, TensorBoard,
+eval.json) and the original script's summary lines."""
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 from dataclasses import asdict
 
 import torch
 
 from machinery.files import now_iso, write_json, write_on_main, write_text
 from machinery.launch import DistEnv, gather_ranks
-from machinery.output import is_main_process, log
-
-
-class ProgressLog:
-    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
-    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
-
-    def __init__(self, every: int):
-        self.is_main = is_main_process()
-        self.tty = self.is_main and sys.stdout.isatty()
-        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
-        self.shown = False
-
-    def due(self, step: int) -> bool:
-        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
-        return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
-
-    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
-        self.shown = True
-        eta = elapsed / max(step, 1) * (steps - step)
-        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
-                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
-        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
-
-    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
-        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
-        if self.due(step):
-            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
-
-    def clear(self) -> None:
-        if self.tty:
-            print("\r" + " " * 100 + "\r", end="", flush=True)
+from machinery.output import log
 
 
 class RunFiles:
@@ -81,7 +49,8 @@ class RunFiles:
             write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
             if self.tensorboard:
                 for key, value in metrics.items():
-                    self.tensorboard.add_scalar(key, value, metrics["epoch"])
+                    if isinstance(value, (int, float)):  # not rank_times' list, nor slow_rank's line
+                        self.tensorboard.add_scalar(key, value, metrics["epoch"])
                 self.tensorboard.flush()  # a preempted run keeps its curves too
         self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
 

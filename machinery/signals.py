@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from machinery.errors import UserError, all_reduce_max
+from machinery.errors import EXIT_STOPPED, UserError, all_reduce_max
 from machinery.launch import read_dist_env
 from machinery.output import say
 
@@ -26,6 +26,7 @@ class StopRequest:
     container too). Ranks agree in `check`."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    exit_status = EXIT_STOPPED  # of a run stopped on request, checkpointed: run it again (requeue) to resume
 
     def __init__(self):
         self.signal = None

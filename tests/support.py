@@ -40,6 +40,10 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
              "--epochs", 2, "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
 
 
+# The metrics a resume may change: the timings (each rank's split, a slow rank named, the peak memory).
+TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib")
+
+
 def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True, cwd=ROOT):
     """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python,
     from `cwd` (the project directory unless told)."""

@@ -49,12 +49,17 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterr
     assert kept == ["checkpoint.1.pt", "checkpoint.pt"]  # --keep-checkpoints 2
 
 
-def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_path):
+def rank_of(pid) -> int:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return int(dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)[b"RANK"])
+
+
+def test_hung_peer_times_out_naming_the_rank_that_never_arrived_and_sigusr2_dumps_stacks(tmp_path):
     out = tmp_path / "run"
     args = [*CKPT_RUN, "--out-dir", out, "--timeout", 8, "--epochs", 20]
     proc, log = start(args)
     wait_for(lambda: (out / "checkpoint.pt").exists(), what="training to start")
-    hung = workers_of(proc)[-1]
+    hung = next(pid for pid in workers_of(proc) if rank_of(pid) == 1)
     os.kill(hung, signal.SIGUSR2)
     # The dump shows where the rank is, down to the recipe's frames (wait for all of it).
     wait_for(lambda: "train_ddp.py\", line" in text(log), timeout=30, what="the stack dump")
@@ -68,7 +73,10 @@ def test_hung_peer_times_out_with_a_clear_message_and_sigusr2_dumps_stacks(tmp_p
         proc.wait(timeout=60)
     output = text(log)
     assert "most recent call first" in output
-    assert "error: rank 0: a collective operation timed out after 8 s: another rank is hung or dead" in output
+    # Rank 0 names rank 1 and its host (the store knows who never arrived), and says nothing vaguer.
+    assert f"error: rank 0: a collective operation timed out after 8 s: rank 1 on {socket.gethostname()} never " \
+           f"reached it (hung" in output
+    assert "another rank is hung or dead" not in output
     assert waited < 30, f"took {waited:.0f} s, not about --timeout"
 
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from support import (TINY, assert_one_line, fill, launch, launcher_and_ranks, load_model_state, paused, read_jsonl, start,
+from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launcher_and_ranks, load_model_state, paused, read_jsonl, start,
                      text, wait_for)
 
 # 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
 RUN = ["--dataset", "synthetic", "--train-size", 1600, "--test-size", 64, "--batch-size", 32, "--epochs", 3,
        *TINY, "--device", "cpu", "--log-every", 0, "--keep-checkpoints", 3]
-TIMING = ("epoch_time_s", "images_per_s")  # the only metrics a resume may change
+TIMING = TIMING_METRICS  # the only metrics a resume may change
 
 
 @pytest.fixture(scope="module")

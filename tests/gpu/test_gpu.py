@@ -47,6 +47,22 @@ def test_training_on_gpus_resumes_and_finishes(tmp_path, amp):
     assert run["versions"]["nccl"] and len({r["device"] for r in run["ranks"]}) == 1
 
 
+def test_each_epoch_reports_every_rank_s_gpu_time_split_and_peak_memory(tmp_path):
+    """On CUDA the split is of the GPU's time (CUDA events read at the epoch's end), and the log and metrics.jsonl
+    hold each rank's peak memory; --profile leaves a trace with the GPU's kernels."""
+    out = tmp_path / "run"
+    proc = launch([*RUN, "--epochs", 1, "--out-dir", out, "--profile"], nproc=NPROC)
+    assert re.search(r"Peak GPU memory: [0-9.]+ GiB \(rank \d on ", proc.stdout)
+    row = read_jsonl(out / "metrics.jsonl")[0]
+    assert row["peak_memory_gib"] > 0 and len(row["rank_times"]) == NPROC
+    for r in row["rank_times"]:
+        phases = [r[f"{p}_s"] for p in ("data", "compute", "sync", "optimizer", "other")]
+        assert all(p >= 0 for p in phases) and sum(phases) == pytest.approx(r["step_s"], rel=1e-6)
+        assert r["compute_s"] > 0 and r["peak_memory_gib"] > 0
+    trace = (out / "profile" / "rank0.json").read_text()
+    assert '"cat": "kernel"' in trace or '"cat":"kernel"' in trace
+
+
 def test_compile_under_ddp_trains_and_saves_plain_keys(tmp_path):
     out = tmp_path / "run"
     proc = launch([*RUN, "--epochs", 1, "--compile", "--out-dir", out], nproc=NPROC)

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
+import train_utils  # noqa: E402
 from machinery.launch import init_distributed  # noqa: E402
 
 def step_and_save():
@@ -40,7 +41,8 @@ def step_and_save():
     step_samples, micro_sizes = loader.batch_sampler.step_split(0)
     assert micro_sizes == [len(labels)]
     train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
-                         amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples)
+                         amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples,
+                         step_log=train_utils.StepLog(0, normalize.scale.device))
     if env.is_main:
         torch.save(getattr(model, "module", model).state_dict(), out)
 

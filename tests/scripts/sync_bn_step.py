@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
 import train_ddp  # noqa: E402
+import train_utils  # noqa: E402
 from machinery.launch import read_dist_env  # noqa: E402
 
 def step_and_save():
@@ -50,7 +51,8 @@ def step_and_save():
         assert len(labels) == batch // env.world_size, "one step of one global batch"
         sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
         train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
-                             loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch)
+                             loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch,
+                             step_log=train_utils.StepLog(0, normalize.scale.device))
         break
     if env.is_main:
         torch.save({k: v.cpu() for k, v in getattr(model, "module", model).state_dict().items()}, out)

@@ -17,7 +17,7 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (REQUIRED_PROGRESS_KEYS, Found, check_format, load_checkpoint,
+from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, Found, check_format, load_checkpoint,
                                    load_latest_checkpoint, save_checkpoint, state_bytes)
 from machinery.errors import UserError
 from train_utils import Checkpoint, DistEnv, Progress, make_config
@@ -75,8 +75,9 @@ def test_a_checkpoint_of_this_version_passes_the_format_check(current_checkpoint
     check_format(current_checkpoint, "checkpoint.pt", required=("model", "optimizer", "scaler"))
 
 
-def test_the_format_requires_every_field_of_progress():
-    assert REQUIRED_PROGRESS_KEYS == tuple(asdict(Progress()))
+def test_the_format_requires_every_field_of_progress_but_those_added_with_an_exact_default():
+    assert REQUIRED_PROGRESS_KEYS + OPTIONAL_PROGRESS_KEYS == tuple(asdict(Progress()))
+    assert Progress().skipped == []  # an older checkpoint skipped nothing
 
 
 def test_optional_state_absent_from_an_older_checkpoint_is_started_as_registered_and_said(tmp_path, capsys):

@@ -46,3 +46,19 @@ def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_
     for script in ("multigpu.sh", "multinode.sh", "srun_direct.sh"):
         text = open(f"{ROOT}/jobs/{script}").read()
         assert 'train_ddp.py "${RECIPE[@]}" "$@"' in text and 'print_recipe "$@"' in text, script
+
+
+@pytest.mark.parametrize("flags,out", [(["--epochs", "3", "--out-dir", "{tmp}/a"], "{tmp}/a"),
+                                       (["--out-dir={tmp}/b", "--epochs", "3"], "{tmp}/b")])
+def test_the_job_scripts_point_nccl_s_flight_recorder_at_the_out_dir_on_gpu_nodes(tmp_path, flags, out):
+    import subprocess
+    flags, out = [f.format(tmp=tmp_path) for f in flags], out.format(tmp=tmp_path)
+    script = (f'source {ROOT}/jobs/lib.sh >/dev/null; flight_recorder "$@"; '
+              'echo "$TORCH_NCCL_DUMP_ON_TIMEOUT|$TORCH_FR_DUMP_TEMP_FILE|$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"')
+    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "SLURM_GPUS_ON_NODE": "4"}
+    got = subprocess.run(["bash", "-c", script, "job", *flags], env=env, capture_output=True, text=True)
+    assert got.stdout.splitlines()[-1] == f"1|{out}/nccl_trace/rank_|{out}/nccl_trace/rank_", got.stderr
+    assert (tmp_path / out.rsplit("/", 1)[1] / "nccl_trace").is_dir()
+    cpu = subprocess.run(["bash", "-c", script, "job", *flags], env={**env, "SLURM_GPUS_ON_NODE": "0"},
+                         capture_output=True, text=True)
+    assert cpu.stdout.splitlines()[-1] == "||"  # no GPUs granted: NCCL is not used

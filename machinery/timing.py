@@ -1,0 +1,242 @@
+"""What each training step leaves behind (StepLog): rank 0's progress lines, where each rank's time goes,
+the ranks' figures side by side at each epoch's end and the one line naming a rank that holds the others
+back (find_slow_rank), the check that DDP saw every parameter, and --profile's traces (Profiler)."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import weakref
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from machinery.errors import UserError, all_gather, call_and_agree
+from machinery.launch import host_name
+from machinery.output import is_main_process, log
+
+# The phases a training step's time is split into, in the order a step passes them:
+PHASES = {
+    "data": "waiting for data",            # the loader's next batch, its copy to the device and normalisation
+    "compute": "in forward and backward",  # up to the launch of the last gradient bucket's all-reduce
+    "sync": "waiting on the other ranks",  # that all-reduce's tail, the agreed checks, the epoch's loss sums
+    "optimizer": "in the optimizer step",  # the update, the grad scaler, the BatchNorm buffers kept
+    "other": "in the loop's bookkeeping",  # the LR, progress lines; a mid-epoch checkpoint counts as sync
+}
+# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median
+# rank's by more than this. Below 10% the whole job loses less than a tenth of its speed to it, and ranks of
+# one job differ by a few percent from epoch to epoch anyway (the OS, the data's decoding, the network).
+SLOW_RANK_THRESHOLD = 0.10
+
+
+class StepLog:
+    """What each training step leaves behind: rank 0's progress lines, and this rank's split of its time into
+    PHASES (mark(phase) ends that phase now), compared across ranks at the epoch's end (finish_epoch). Cheap:
+    on CPU a mark reads perf_counter; on CUDA it records an event in the stream, and the events are read at
+    the epoch's end (no device synchronisation per step), so the split is of the GPU's time, and a GPU that
+    idles for want of data shows it as data. watch_ddp(ddp_model) times DDP's gradient all-reduce (it
+    overlaps backward: what follows its last bucket's launch is sync) and checks, after an epoch's first
+    step, that every parameter got a gradient. `profile_dir`: --profile's traces (Profiler)."""
+
+    def __init__(self, every: int, device: torch.device, *, timed: bool = True, profile_dir: str | None = None):
+        self.progress = ProgressLines(every)
+        self.device, self.timed, self.cuda = device, timed, device.type == "cuda"
+        self.marks, self.steps, self.last_bucket, self.ddp = [], 0, None, None
+        self.profiler = Profiler(profile_dir, self.cuda) if profile_dir else None
+
+    def now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        """The epoch's training starts (or resumes) now."""
+        self.marks, self.steps, self.last_bucket = [("start", self.now())] if self.timed else [], 0, None
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mark(self, phase: str) -> None:
+        if self.timed:
+            self.marks.append((phase, self.now()))
+
+    def mark_backward(self) -> None:
+        """After the backward that all-reduces: compute until its last bucket's launch, then sync."""
+        if self.timed and self.last_bucket is not None:
+            self.marks.append(("compute", self.last_bucket))
+            self.marks.append(("sync", self.now()))
+        else:
+            self.mark("compute")
+        self.last_bucket = None
+
+    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
+        """After a step: the progress line if one is due, and the first step's parameter check."""
+        self.progress.update(epoch, step, steps, images, sums, t0)
+        if self.steps == 0 and self.ddp is not None:
+            check_parameters_used(self.ddp())
+        self.mark("other")
+
+    def end_step(self) -> None:
+        """After the step's agreed checks (sync)."""
+        self.mark("sync")
+        self.steps += 1
+        if self.profiler:
+            self.profiler.after_step(self.steps)
+
+    def watch_ddp(self, ddp_model) -> None:
+        """DDP's own all-reduce (allreduce_hook is its default, in Python), with the time each bucket is handed
+        to it noted: the last one's is when backward's computation ended on this rank."""
+        def timed_allreduce(process_group, bucket):
+            self.last_bucket = self.now()
+            return allreduce_hook(process_group, bucket)
+        # A weak reference: DDP holds this (through the hook), and a cycle would keep DDP alive until the
+        # process group is destroyed, which aborts the process at exit ("terminate called without an active exception").
+        self.ddp = weakref.ref(ddp_model)
+        if self.timed:
+            ddp_model.register_comm_hook(None, timed_allreduce)
+
+    def seconds(self) -> dict:
+        """This rank's time in each phase since start(), in seconds."""
+        split = dict.fromkeys(PHASES, 0.0)
+        if len(self.marks) < 2:
+            return split
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        previous = self.marks[0][1]
+        for phase, t in self.marks[1:]:
+            split[phase] += previous.elapsed_time(t) / 1000 if self.cuda else t - previous
+            previous = t
+        return split
+
+    def finish_epoch(self, rank: int) -> dict:
+        """Every rank's split per step, side by side (a collective, at the epoch's end), the line naming a
+        rank that held the others back, if one did, and on CUDA the peak memory: fields for the epoch's
+        row of metrics.jsonl."""
+        self.progress.clear()
+        if self.profiler:
+            self.profiler.finish()  # an epoch shorter than the window: what it recorded
+        split = self.seconds()
+        mine = {"rank": rank, "host": host_name(), "steps": self.steps,
+                "step_s": sum(split.values()) / max(self.steps, 1),
+                **{f"{phase}_s": s / max(self.steps, 1) for phase, s in split.items()}}
+        if self.cuda:
+            mine["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        ranks = all_gather(mine)
+        fields = {"rank_times": ranks}
+        if self.timed and (slow := find_slow_rank(ranks)):
+            fields["slow_rank"] = slow
+        if self.cuda:
+            fields["peak_memory_gib"] = max(r["peak_memory_gib"] for r in ranks)
+        return fields
+
+
+class ProgressLines:
+    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
+    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
+
+    def __init__(self, every: int):
+        self.is_main = is_main_process()
+        self.tty = self.is_main and sys.stdout.isatty()
+        self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
+        self.shown = False
+
+    def due(self, step: int) -> bool:
+        """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
+        return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
+
+    def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        self.shown = True
+        eta = elapsed / max(step, 1) * (steps - step)
+        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
+                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
+        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
+        if self.due(step):
+            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
+
+    def clear(self) -> None:
+        if self.tty:
+            print("\r" + " " * 100 + "\r", end="", flush=True)
+
+
+def check_parameters_used(model) -> None:
+    """After a step's backward under DDP (without find_unused_parameters): raise UserError on every rank,
+    naming them, if parameters got no gradient (an auxiliary head, a branch not taken): DDP would otherwise
+    fail at the next forward ("Expected to have finished reduction in the prior iteration"), in a traceback
+    per rank. A collective."""
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
+        return
+    mine = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+    unused = list(dict.fromkeys(name for names in all_gather(mine) for name in names))  # every rank's, in order
+    if unused:
+        params = dict(ddp.module.named_parameters())
+        values = sum(params[name].numel() for name in unused)
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got no gradient: "
+                        f"DDP needs every parameter in the loss of every step; use them in the loss or remove them "
+                        f"from the model, or pass --find-unused-parameters (DDP then searches the autograd graph "
+                        f"after every forward for them, which costs time in every step)")
+
+
+def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD) -> str | None:
+    """The line naming the rank whose own time per step (all but waiting on the others) exceeds the
+    median rank's by more than `threshold`, and the phase that makes most of the difference, or None."""
+    if len(ranks) < 2 or not all(r["steps"] for r in ranks):
+        return None
+    own = [r["step_s"] - r["sync_s"] for r in ranks]
+    median = statistics.median(own)
+    slow = max(range(len(ranks)), key=own.__getitem__)
+    if median <= 0 or own[slow] <= median * (1 + threshold):
+        return None
+    r = ranks[slow]
+    excess = {p: r[f"{p}_s"] - statistics.median(x[f"{p}_s"] for x in ranks) for p in PHASES if p != "sync"}
+    cause = max(excess, key=excess.get)
+    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the median, "
+            f"{r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")
+
+
+class Profiler:
+    """--profile: torch.profiler over ACTIVE steps after the first SKIP of an epoch (its warm-up: the
+    loaders start, cuDNN picks its kernels), once per run, on every rank. Rank r writes its trace to
+    `folder`/rank{r}.json (ui.perfetto.dev and chrome://tracing open it); rank 0 logs a table of the top
+    operators. Training goes on unchanged; the profiled steps run slower, and so does their epoch."""
+    SKIP, ACTIVE = 3, 5
+
+    def __init__(self, folder: str, cuda: bool):
+        self.folder, self.cuda, self.profile, self.first, self.last, self.done = folder, cuda, None, 0, 0, False
+
+    def after_step(self, step: int) -> None:
+        self.last = step
+        if step == self.SKIP and not self.done and self.profile is None:
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's back end: no ERROR lines on a CPU
+            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                                  if self.cuda else [])
+            self.profile, self.first = torch.profiler.profile(activities=activities), step + 1
+            self.profile.start()
+        elif step == self.SKIP + self.ACTIVE:
+            self.finish()
+
+    def finish(self) -> None:
+        """Stop the profiler if it runs, and write the traces (every rank) and the table (rank 0)."""
+        if self.profile is None:
+            return
+        profile, self.profile, self.done = self.profile, None, True
+        profile.stop()
+        rank = int(os.environ.get("RANK", 0))
+        path = os.path.join(self.folder, f"rank{rank}.json")
+
+        def write_trace():
+            os.makedirs(self.folder, exist_ok=True)
+            profile.export_chrome_trace(path)
+        call_and_agree(write_trace)  # every rank writes its own; a failed write stops them all in one line
+        steps = f"{self.first}-{self.last}" if self.last > self.first else f"{self.first}"
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        log(f"Profile of steps {steps} of the epoch on every rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev "
+            f"or chrome://tracing). Rank 0's top operators by their own time:")
+        log(profile.key_averages().table(sort_by=sort, row_limit=12))
