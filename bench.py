@@ -57,7 +57,7 @@ PEAK_FLOPS = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
 SHAPE_DEFAULTS = {"depth": 16, "widen_factor": 8, "batch_size": 512}
 CPU_CHECK_DEFAULTS = {"depth": 10, "widen_factor": 1, "batch_size": 64}
-WARMUP_ROUNDS = 6  # untimed rounds of the loop-overhead check: one in each order
+WARMUP_ROUNDS = 24  # untimed rounds of the loop-overhead check: one in each order of its four loops
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
