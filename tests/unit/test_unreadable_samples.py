@@ -1,0 +1,46 @@
+"""A sample the loader cannot take comes as a BadSample naming its split, index, file and cause, in its
+slot of the rank's batch, which then lacks it: the micro-batches shrink where it was, and the step's other
+samples train as before."""
+import torch
+from torch.utils.data import Dataset, Subset
+
+import dataset_utils as du
+
+
+class Files(Dataset):
+    """Items like ImageFolder's: `samples` lists the files; item 2 is unreadable, item 3 another size."""
+    samples = [(f"/data/cls/{i}.png", 0) for i in range(6)]
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise OSError("cannot identify image file")
+        return torch.zeros(3, 8 if i != 3 else 9, 8, dtype=torch.uint8), 0
+
+
+def test_an_unreadable_sample_is_named_with_its_file_and_where_it_failed():
+    bad = du.read_sample(Files(), 2, "training", (3, 8, 8))
+    assert isinstance(bad, du.BadSample) and bad.file == "/data/cls/2.png"
+    assert bad.describe().startswith("training sample 2 (/data/cls/2.png): OSError: cannot identify image file (at ")
+    assert "test_unreadable_samples.py:" in bad.reason
+
+
+def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_subset_names_the_file():
+    bad = du.read_sample(Subset(Files(), [5, 3]), 1, "training", (3, 8, 8))
+    assert bad.file == "/data/cls/3.png" and bad.reason == "an image of 3 x 9 x 8 uint8, not 3 x 8 x 8 uint8 like the first"
+    assert "v2.Resize((8, 8))" in bad.fix
+    assert du.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
+
+
+def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink():
+    sampler = du.EpochSampler(48, batch_size=24, rank=1, world_size=2, accum_steps=3)  # micro-batches of 4
+    assert sampler.step_split(0) == (24, [4, 4, 4])
+    dataset = du.ImageDataset(Files(), split="training")
+    images, labels, unreadable = du._collate(dataset.image_shape, [dataset[i] for i in (0, 2, 1, 3, 4, 5)])
+    assert images.shape == (4, 3, 8, 8) and [(b.index, b.slot) for b in unreadable] == [(2, 1), (3, 3)]
+    sampler.set_epoch(1)
+    assert sampler.step_split(0, skipped=unreadable) == (24, [2, 4, 4])  # slots 1 and 3: both in micro-batch 0
+    gaps = [du.BadSample("training", 9, None, "x", slot=s) for s in (3, 4, 11)]
+    assert sampler.step_split(0, skipped=gaps) == (24, [3, 3, 3])
