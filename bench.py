@@ -169,12 +169,15 @@ def recipe_config(args, env, **flags) -> utils.RunConfig:
     return utils.make_config(recipe, env)
 
 
-def wrap(model, args, env, compile_model: bool):
-    """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph."""
+def wrap(model, args, env, compile_model: bool, step_log=None):
+    """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph; `step_log`: the
+    utils.StepLog that times DDP's all-reduce, as train() has it (None: DDP's own C++ all-reduce, no hook)."""
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
                     **utils.NO_FORWARD_BUFFER_SYNC)
+        if step_log is not None:
+            step_log.watch_ddp(model)
     return torch.compile(model, dynamic=False) if compile_model else model
 
 
@@ -268,11 +271,12 @@ def bench_data(args, cfg, env, data: du.ImageData) -> du.CheckedData:
 def bench_ours(args, env, cfg, checked: du.CheckedData, data: du.ImageData) -> dict:
     device, accum, cuda = env.device, cfg.accumulation_steps, env.device.type == "cuda"
     training = train_ddp.build_training(cfg, env, checked)
-    model = wrap(training.model, args, env, args.compile)
+    step_log = utils.StepLog(0, device)  # the recipe's: each step's phases timed, DDP's all-reduce through its hook
+    model = wrap(training.model, args, env, args.compile, step_log=step_log)
     log(f"timing the recipe's step: WRN-{cfg.depth}-{cfg.widen_factor}, batch {cfg.batch_size} over "
         f"{env.world_size} {device.type} process(es){f' in {accum} micro-batches' if accum > 1 else ''}, "
         f"{args.steps} steps after {args.warmup} warm-up")
-    timer, loop = Timer(device), TrainSteps(model, training, cfg)
+    timer, loop = Timer(device), TrainSteps(model, training, cfg, step_log=step_log)
     loop.run(args.warmup)
     log("warm-up done: the timed steps begin")
     start = timer.mark()
@@ -486,6 +490,9 @@ class ReadyLoader:
 
     def step_split(self, position: int) -> tuple:
         return self.batch_sampler.step_split(position)
+
+    def check(self) -> None:
+        pass  # ready-made batches: nothing unreadable to agree on
 
 
 def loop_overhead_check(args, cfg, env) -> dict:

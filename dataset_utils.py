@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 import pickle
+import re
 import signal
 import socket
 import tempfile
@@ -32,7 +33,6 @@ from torchvision.datasets.utils import check_integrity, download_url, extract_ar
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.output import log
-from machinery.signals import STOP_CHECK_EVERY
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
 # environment points at a mirror instead (the md5 check still applies).
@@ -193,12 +193,8 @@ def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
     return ImageData(images, labels, num_classes=CIFAR100_CLASSES)
 
 
-def load_split(dataset: str, data_dir: str, train: bool, size: int = 0, env=None) -> ImageData:
-    """The train or test split of `dataset`, cut to its first `size` samples if size > 0. CIFAR-100 is
-    downloaded and checked first if need be (prepare_cifar100: one process per node; `env`: this process's
-    DistEnv, or None for a lone process)."""
-    if dataset == "cifar100":
-        prepare_cifar100(data_dir, env)
+def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
+    """The train or test split of `dataset`, cut to its first `size` samples if size > 0."""
     if dataset == "synthetic":
         full = make_synthetic(size or (50_000 if train else 10_000), train)
     else:
@@ -362,8 +358,8 @@ def fingerprint(data) -> str:
             h.update(torch.as_tensor(data.targets, dtype=torch.int64).numpy().tobytes())
         for i in sorted({0, len(data) - 1}):
             item = read_sample(data, i, "")
-            if isinstance(item, BadSample):  # unreadable: its reason stands for it (the same on every read)
-                h.update(item.reason.encode())
+            if isinstance(item, BadSample):  # unreadable: the kind of failure stands for it (no line numbers)
+                h.update(item.reason.split(":", 1)[0].encode())
             else:
                 h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
     return f"{len(data)}:{h.hexdigest()}"
@@ -525,7 +521,7 @@ def describe_exception(e: Exception) -> str:
     """`Type: first line of the message (at file.py:line)`, the line where it was raised."""
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    message = str(e).splitlines()[0][:200] if str(e) else ""
+    message = re.sub(r" ?<_io\.\w+ name='[^']*'>", "", str(e).splitlines()[0])[:200] if str(e) else ""  # PIL: the path again
     return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
 
 
@@ -610,16 +606,14 @@ def _collate(shape, batch):
 
 
 def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, accum_steps: int, eval_batch: int,
-                  seed: int, workers: int, pin_memory: bool, device=None, skip_bad_samples: int = 0,
-                  checkpoint_every: int = 0):
+                  seed: int, workers: int, pin_memory: bool, device=None, skip_bad_samples: int = 0):
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
     micro-batches back to back; call batch_sampler.set_epoch each epoch, and step_split for each batch's
     micro-batches) and the test loader (sharded without padding or dropping: every test image is scored
     exactly once, in batches of `eval_batch`). The splits are ImageData or Datasets (measure_data); train
     may be None (no training loader). With `device`, both are DeviceLoaders over ImageData held on that
     device; else DataLoaders whose workers read the samples, in AgreedLoaders that skip up to
-    `skip_bad_samples` unreadable training samples per epoch (none in the test set), agreed on at the
-    recipe's stop checks and every `checkpoint_every` steps."""
+    `skip_bad_samples` unreadable training samples per epoch (none in the test set)."""
     test_loader = build_test_loader(test, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers,
                                     pin_memory=pin_memory, device=device)
     if train is None:  # --evaluate
@@ -633,7 +627,7 @@ def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, a
     dataset = ImageDataset(train, augment=True, seed=seed)
     train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, dataset.image_shape),
                               **_loader_options(workers, pin_memory, seed))
-    return AgreedLoader(train_loader, limit=skip_bad_samples, checkpoint_every=checkpoint_every), test_loader
+    return AgreedLoader(train_loader, limit=skip_bad_samples), test_loader
 
 
 def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool,
@@ -665,13 +659,12 @@ def _ignore_ctrl_c(worker_id: int) -> None:
 class AgreedLoader:
     """A DataLoader over ImageDataset, whose batches lack the samples that did not read (BadSample): it yields
     (images, labels) of the rest, and step_split(position) gives the micro-batches' sizes without them. The
-    ranks agree on the unreadable samples (check_unreadable, a small all-reduce) at the training loop's
-    checks (every STOP_CHECK_EVERY and `checkpoint_every` steps, before any checkpoint) and after the last
-    batch: each is named in the log and skipped, up to `limit` per epoch; past it, or for any test sample,
-    every rank raises UserError naming it."""
+    ranks agree on the unreadable samples (check_unreadable: a small all-reduce) when the training loop
+    calls check() (at its stop checks, before any checkpoint) and after the last batch: each is named in the
+    log and skipped, up to `limit` per epoch; past it, or for any test sample, every rank raises UserError."""
 
-    def __init__(self, loader: DataLoader, limit: int = 0, checkpoint_every: int = 0):
-        self.loader, self.limit, self.checkpoint_every = loader, limit, checkpoint_every
+    def __init__(self, loader: DataLoader, limit: int = 0):
+        self.loader, self.limit = loader, limit
         self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, EpochSampler) else None
         self.found, self.gaps = [], []  # unreadable since the last check; the last batch's
 
@@ -682,13 +675,9 @@ class AgreedLoader:
         return self.batch_sampler.step_split(position, skipped=self.gaps)
 
     def __iter__(self):
-        sampler = self.batch_sampler
-        step = -(-sampler.start // sampler.batch_size) if sampler else 0  # the steps the epoch has taken
         for images, labels, unreadable in self.loader:
-            step, self.gaps = step + 1, unreadable
+            self.gaps = unreadable
             self.found += unreadable
-            if sampler and (step % STOP_CHECK_EVERY == 0 or (self.checkpoint_every and step % self.checkpoint_every == 0)):
-                self.check()
             yield images, labels
         self.check()
 
@@ -719,13 +708,14 @@ def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
                         f"training samples only)")
     if not limit:
         raise UserError(f"{first.describe()}; {first.fix}, or skip such samples with --skip-bad-samples N")
-    if len(skipped) + len(new) > limit:
-        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples {limit}), the "
-                        f"last {new[-1].describe()}; {new[-1].fix} (the log names the others), or raise "
-                        f"--skip-bad-samples")
-    for bad in new:
+    over = len(skipped) + len(new) > limit
+    for bad in new:  # each named, those past the limit too
         skipped.append(bad.describe())
-        log(f"warning: skipped {bad.describe()} ({len(skipped)} of at most {limit} this epoch)")
+        log(f"warning: {'unreadable' if over else 'skipped'} {bad.describe()} ({len(skipped)} of at most {limit} "
+            f"this epoch)")
+    if over:
+        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples {limit}; the "
+                        f"log names them), the latest {new[-1].describe()}; {new[-1].fix}, or raise --skip-bad-samples")
 
 
 class DeviceLoader:
@@ -748,6 +738,9 @@ class DeviceLoader:
 
     def step_split(self, position: int) -> tuple:
         return self.sampler.step_split(position)
+
+    def check(self) -> None:
+        """Nothing to agree on: data held in memory all read (AgreedLoader.check's counterpart)."""
 
     def __iter__(self):
         if self.sampler is None:

@@ -157,15 +157,16 @@ def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
 
 
-def stop_or_checkpoint_mid_epoch(progress, sums: torch.Tensor, *, t0: float, cfg, stop, checkpoint,
+def stop_or_checkpoint_mid_epoch(progress, sums: torch.Tensor, *, t0: float, cfg, stop, checkpoint, loader,
                                  allow_nonfinite: bool) -> bool:
-    """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
-    the loss; a stop, or --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now.
-    (The training loader agrees on unreadable samples at the same steps: dataset_utils.AgreedLoader.)"""
+    """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file), check the
+    loss and the samples the loader could not read (loader.check: skipped, or UserError); a stop, or
+    --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
     step = progress.step
     checkpoint_due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0
     if step % STOP_CHECK_EVERY and not checkpoint_due:
         return False
+    loader.check()  # before any checkpoint: what it trained without is agreed on, named and counted
     stopping = stop.check(sums.device, sums, allow_nonfinite)  # all ranks agree
     if stopping or checkpoint_due:
         progress.elapsed_s = time.perf_counter() - t0
@@ -203,7 +204,7 @@ class Progress:
     def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict) -> dict:
         """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training loss
         and samples, the test metrics, the LR of its last step, its time, and `timing`: every rank's
-        split of its step time, from StepTimer.finish_epoch), kept in the history; decide
+        split of its step time, from StepLog.finish_epoch), kept in the history; decide
         early stopping (from the all-reduced accuracy, so every rank decides alike); the next epoch
         starts at its beginning. Returns the row."""
         loss_sum, n_finite, count = self.sums

@@ -95,7 +95,8 @@ MASTER_PORT=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
 # A collective that times out on NCCL (a rank hung or gone) makes every rank dump its flight recorder: its
 # last collectives, which ones completed, and where it waited, into the out-dir's nccl_trace/, one file per
 # rank; `torchfrtrace <out-dir>/nccl_trace` then names the ranks that did not arrive. The ranks' own line
-# names them too where the store can tell (gloo). "$@": the training flags, for --out-dir.
+# names them too where the store can tell (gloo). "$@": the training flags, for --out-dir (a --recipe that sets
+# its own out-dir is not seen here: its dumps go to ./runs/wrn/nccl_trace).
 flight_recorder() {
     local granted=${SLURM_GPUS_ON_NODE:-0} out=./runs/wrn prev=""  # train_ddp.py's default out-dir
     [[ "$granted" =~ ^[0-9]+$ && "$granted" -gt 0 ]] || return 0  # no GPUs: no NCCL (gloo's line names them)

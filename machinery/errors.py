@@ -5,6 +5,7 @@ every rank, so that all leave together; the entry point says it once (leave_on_u
 exit status says which kind it was: 2 for bad input, 74 for a failed write, 75 for a requested stop."""
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 import time
@@ -112,7 +113,8 @@ def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
     closed), else None."""
     first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     if is_timeout(e):
-        absent = ranks_that_did_not_arrive(grace_s=min(30.0, max(5.0, timeout_s / 4)))
+        collective = isinstance(e, dist.DistBackendError) or any(s in str(e) for s in ("gloo", "NCCL", "Watchdog"))
+        absent = ranks_that_did_not_arrive(grace_s=min(30.0, max(5.0, timeout_s / 4))) if collective else None
         if absent:
             who = ", ".join(f"rank {r}" + (f" on {host}" if host else "") for r, host in absent)
             return (f"a collective operation timed out after {timeout_s:g} s: {who} never reached it (hung, or "
@@ -139,6 +141,7 @@ def ranks_that_did_not_arrive(grace_s: float) -> list | None:
         return None
     try:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store.set_timeout(datetime.timedelta(seconds=5))  # a store that does not answer: no line, not a hang
         store.set(f"timed_out/{rank}", "1")
         deadline = time.monotonic() + grace_s
         while True:

@@ -25,8 +25,8 @@ PHASES = {
     "optimizer": "in the optimizer step",  # the update, the grad scaler, the BatchNorm buffers kept
     "other": "in the loop's bookkeeping",  # the LR, progress lines; a mid-epoch checkpoint counts as sync
 }
-# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median
-# rank's by more than this. Below 10% the whole job loses less than a tenth of its speed to it, and ranks of
+# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median of
+# the other ranks' by more than this. Below 10% the whole job loses less than a tenth of its speed to it, and ranks of
 # one job differ by a few percent from epoch to epoch anyway (the OS, the data's decoding, the network).
 SLOW_RANK_THRESHOLD = 0.10
 
@@ -185,19 +185,21 @@ def check_parameters_used(model) -> None:
 
 
 def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD) -> str | None:
-    """The line naming the rank whose own time per step (all but waiting on the others) exceeds the
-    median rank's by more than `threshold`, and the phase that makes most of the difference, or None."""
+    """The line naming the rank whose own time per step (all but waiting on the others) exceeds the median
+    of the other ranks' by more than `threshold` (with two ranks: the other's), and the phase that makes
+    most of the difference, or None."""
     if len(ranks) < 2 or not all(r["steps"] for r in ranks):
         return None
     own = [r["step_s"] - r["sync_s"] for r in ranks]
-    median = statistics.median(own)
     slow = max(range(len(ranks)), key=own.__getitem__)
+    others = [x for i, x in enumerate(ranks) if i != slow]
+    median = statistics.median(own[:slow] + own[slow + 1:])
     if median <= 0 or own[slow] <= median * (1 + threshold):
         return None
     r = ranks[slow]
-    excess = {p: r[f"{p}_s"] - statistics.median(x[f"{p}_s"] for x in ranks) for p in PHASES if p != "sync"}
+    excess = {p: r[f"{p}_s"] - statistics.median(x[f"{p}_s"] for x in others) for p in PHASES if p != "sync"}
     cause = max(excess, key=excess.get)
-    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the median, "
+    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the other ranks' median, "
             f"{r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")
 
 
@@ -236,7 +238,9 @@ class Profiler:
             profile.export_chrome_trace(path)
         call_and_agree(write_trace)  # every rank writes its own; a failed write stops them all in one line
         steps = f"{self.first}-{self.last}" if self.last > self.first else f"{self.first}"
-        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        log(f"Profile of steps {steps} of the epoch on every rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev "
-            f"or chrome://tracing). Rank 0's top operators by their own time:")
-        log(profile.key_averages().table(sort_by=sort, row_limit=12))
+        log(f"Profile of steps {steps} of this run's first epoch (counted from where it started or resumed) on every "
+            f"rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev or chrome://tracing). Rank 0's top operators "
+            f"by their own time:")
+        if rank == 0:  # the table takes a while to build: only where it is shown
+            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+            log(profile.key_averages().table(sort_by=sort, row_limit=12))

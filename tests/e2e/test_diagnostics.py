@@ -37,10 +37,12 @@ def load_data(cfg, env, train=True):
             dataset_utils.load_split("synthetic", "", False, cfg.test_size))
 '''
 
-# 40 steps of 32 per epoch on 2 ranks: WRN-10-1 takes about 50 ms a step here; the slow rank's worker
-# sleeps 3 ms a sample, about 100 ms a batch, so that rank waits for data about half of each step.
+# 20 steps of 32 per rank per epoch on 2 ranks; WRN-10-1 takes about 50 ms a step here.
 TIMED_RUN = ["--dataset", "synthetic", "--train-size", 1280, "--test-size", 64, "--batch-size", 64, "--epochs", 2,
              *TINY, "--workers", 1, "--loader", "torch", "--log-every", 0]
+# The slow rank's one worker sleeps 20 ms a sample, 640 ms a batch: many times a step on any machine that
+# runs the suite, so that its wait for data cannot hide behind the prefetch. 10 steps an epoch keep it short.
+SLOW_RUN = [*TIMED_RUN, "--train-size", 640]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def slow_data_script(tmp_path_factory):
 
 def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, tmp_path):
     out = tmp_path / "run"
-    proc = run_adapted(slow_data_script, [*TIMED_RUN, "--out-dir", out], env={"SLOW_RANK": "1", "SLOW_DELAY": "0.003"})
+    proc = run_adapted(slow_data_script, [*SLOW_RUN, "--out-dir", out], env={"SLOW_RANK": "1", "SLOW_DELAY": "0.02"})
     rows = read_jsonl(out / "metrics.jsonl")
     for row in rows:  # every epoch: rank 1 named, its cause data
         assert row["slow_rank"].startswith("rank 1 on ") and row["slow_rank"].endswith("of its step waiting for data")
@@ -63,19 +65,21 @@ def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, t
 
 def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_data_script, tmp_path):
     out = tmp_path / "run"
-    proc = run_adapted(slow_data_script, [*TIMED_RUN, "--out-dir", out], env={"SLOW_RANK": "1", "SLOW_DELAY": "0"})
+    # No worker processes: the two ranks alone share the two cores, each loading its own in-memory samples.
+    proc = run_adapted(slow_data_script, [*TIMED_RUN, "--workers", 0, "--out-dir", out],
+                       env={"SLOW_RANK": "1", "SLOW_DELAY": "0"})
     assert "held the others back" not in proc.stdout
     for row in read_jsonl(out / "metrics.jsonl"):
         assert "slow_rank" not in row
-        assert [r["rank"] for r in row["rank_times"]] == [0, 1]
-        for r in row["rank_times"]:
-            assert r["steps"] == 20
-            # The phases partition the rank's time from the epoch's first step to its loss sums: they add up to
-            # step_s exactly (up to float rounding), and the steps to the epoch's time as rank 0 measured it
-            # (from the same points, on its own clock) within 2% (the ranks start the epoch a little apart).
-            assert sum(r[f"{p}_s"] for p in PHASES) == pytest.approx(r["step_s"], rel=1e-9)
-            assert r["step_s"] * r["steps"] == pytest.approx(row["epoch_time_s"], rel=0.02)
+        assert [r["rank"] for r in row["rank_times"]] == [0, 1] and all(r["steps"] == 20 for r in row["rank_times"])
+        # The phases are measured from the epoch's first step to its loss sums, on each rank's clock. Rank 0's
+        # steps add up to the epoch's time it logs, taken from the same two points, within 1% (what lies
+        # between the points and the marks: microseconds); rank 1's within 10% (it starts the epoch a little
+        # before or after rank 0, which writes the previous epoch's records).
+        for r, tolerance in zip(row["rank_times"], (0.01, 0.10)):
+            assert r["step_s"] * r["steps"] == pytest.approx(row["epoch_time_s"], rel=tolerance)
             assert all(r[f"{p}_s"] >= 0 for p in PHASES) and r["compute_s"] > r["data_s"]
+            assert r["sync_s"] > 0  # the gradient all-reduce's tail and the agreed checks, on every rank
 
 
 # --------------------------------------------------------------------------- an unreadable sample
@@ -187,8 +191,9 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     # One more bad sample than allowed: the run stops in one line when it meets the third.
     open(paths["train"][100], "wb").close()
     proc = run_adapted(folder_script, [*run, "--out-dir", tmp_path / "over"], check=False)
-    assert_clean_stop(proc, "more than 2 unreadable training samples this epoch (--skip-bad-samples 2)",
-                      "raise --skip-bad-samples")
+    assert_clean_stop(proc, "more than 2 unreadable training samples this epoch (--skip-bad-samples 2; the log names "
+                            "them)", "raise --skip-bad-samples")
+    assert proc.stdout.count("warning: unreadable training sample") + proc.stdout.count("warning: skipped") >= 3
 
 
 # --------------------------------------------------------------------------- parameters left out of the loss
@@ -222,7 +227,7 @@ def test_profile_leaves_a_readable_trace_per_rank_and_training_goes_on_unchanged
     plain, profiled = tmp_path / "plain", tmp_path / "profiled"
     launch([*run, "--out-dir", plain], nproc=2)
     proc = launch([*run, "--out-dir", profiled, "--profile"], nproc=2)
-    assert "Profile of steps 4-8 of the epoch on every rank" in proc.stdout and "aten::" in proc.stdout
+    assert "Profile of steps 4-8 of this run's first epoch" in proc.stdout and "aten::" in proc.stdout
     for rank in (0, 1):
         trace = json.loads((profiled / "profile" / f"rank{rank}.json").read_text())
         names = {event.get("name", "") for event in trace["traceEvents"]}

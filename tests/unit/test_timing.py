@@ -1,6 +1,6 @@
 """The slow-rank line (machinery.timing.find_slow_rank): a rank is named when its own time per step (all
-but waiting on the others) exceeds the median rank's by more than 10%, with the phase that makes most of
-the difference; waiting (sync) never makes a rank slow."""
+but waiting on the others) exceeds the median of the other ranks' by more than 10% (with two ranks, the
+other's), with the phase that makes most of the difference; waiting (sync) never makes a rank slow."""
 import pytest
 
 from machinery.timing import PHASES, SLOW_RANK_THRESHOLD, find_slow_rank
@@ -24,13 +24,13 @@ def test_a_rank_waiting_for_data_is_named_with_its_host_and_share():
     ranks = [rank(r, data=0.01, compute=0.1, sync=0.05, optimizer=0.01) for r in range(4)]
     ranks[3] = rank(3, host="node2", data=0.06, compute=0.1, sync=0.0, optimizer=0.01)  # the others wait for it
     line = find_slow_rank(ranks)
-    assert line == "rank 3 on node2: 42% slower than the median, 35% of its step waiting for data"
+    assert line == "rank 3 on node2: 42% slower than the other ranks' median, 35% of its step waiting for data"
 
 
 def test_a_rank_slow_in_forward_and_backward_is_named_for_it():
     ranks = [rank(r, data=0.01, compute=0.1, sync=0.03, optimizer=0.01) for r in range(3)]
     ranks[0] = rank(0, data=0.01, compute=0.13, sync=0.0, optimizer=0.01)
-    assert find_slow_rank(ranks).startswith("rank 0 on node1: 25% slower than the median") \
+    assert find_slow_rank(ranks).startswith("rank 0 on node1: 25% slower than the other ranks' median") \
         and find_slow_rank(ranks).endswith("of its step in forward and backward")
 
 
@@ -38,6 +38,11 @@ def test_a_rank_slow_in_forward_and_backward_is_named_for_it():
 def test_only_more_than_the_threshold_names_a_rank(extra, named):
     ranks = [rank(r, compute=0.1) for r in range(3)] + [rank(3, compute=0.1 + extra)]
     assert (find_slow_rank(ranks) is not None) == named
+
+
+def test_with_two_ranks_the_slower_is_compared_with_the_other():
+    assert find_slow_rank([rank(0, compute=0.1), rank(1, compute=0.109)]) is None
+    assert find_slow_rank([rank(0, compute=0.1), rank(1, compute=0.113)]).startswith("rank 1 on node1: 13% slower")
 
 
 def test_waiting_on_the_others_never_makes_a_rank_slow_and_one_rank_has_no_peers():
