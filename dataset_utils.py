@@ -637,17 +637,18 @@ def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, work
     if device is not None:
         return DeviceLoader(test, device, indices=shard, batch_size=batch_size)
     dataset = ImageDataset(test, split="test")
-    # Its workers start at the first evaluation, mid-training, when the process runs other threads (gloo's, the
-    # training loader's queue feeders): a fork then can hang the child in the fork itself (seen about once in
-    # 30 two-rank runs), so they are spawned, once per run (they persist), not forked.
     return AgreedLoader(DataLoader(dataset, batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory),
-                                   collate_fn=functools.partial(_collate, dataset.image_shape),
-                                   multiprocessing_context="spawn" if workers else None))
+                                   collate_fn=functools.partial(_collate, dataset.image_shape)))
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
+    """Both loaders' options. Their workers start after the process group, when the process runs other threads
+    (gloo's or NCCL's, the other loader's queue feeders): a fork then can hang the child in the fork itself (seen
+    in about one two-rank run in 30 for the test loader, and once in a CI run for the training loader), so they
+    are spawned, once per run (they persist), not forked; a Dataset must then be defined at a module's top level."""
     return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
-                generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_ctrl_c if workers else None)
+                generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_ctrl_c if workers else None,
+                multiprocessing_context="spawn" if workers else None)
 
 
 def _ignore_ctrl_c(worker_id: int) -> None:
@@ -675,7 +676,15 @@ class AgreedLoader:
         return self.batch_sampler.step_split(position, skipped=self.gaps)
 
     def __iter__(self):
-        for images, labels, unreadable in self.loader:
+        try:
+            batches = iter(self.loader)  # starts the workers (once: they persist), which get the Dataset pickled
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            if "pickle" not in str(e):
+                raise
+            raise UserError(f"load_data's {type(self.loader.dataset.data).__name__} cannot be sent to the DataLoader "
+                            f"workers ({str(e).splitlines()[0]}): define its class at the top level of a module, not "
+                            f"inside a function, or use --workers 0") from None
+        for images, labels, unreadable in batches:
             self.gaps = unreadable
             self.found += unreadable
             yield images, labels

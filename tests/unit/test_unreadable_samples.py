@@ -44,3 +44,27 @@ def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink()
     assert sampler.step_split(0, skipped=unreadable) == (24, [2, 4, 4])  # slots 1 and 3: both in micro-batch 0
     gaps = [du.BadSample("training", 9, None, "x", slot=s) for s in (3, 4, 11)]
     assert sampler.step_split(0, skipped=gaps) == (24, [3, 3, 3])
+
+
+def local_dataset():
+    class Local(Dataset):  # defined inside a function: spawned workers cannot unpickle it
+        num_classes, mean, std = 2, (0.5,), (0.25,)
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 4, 4, dtype=torch.uint8), i % 2
+    return Local()
+
+
+def test_a_dataset_the_spawned_workers_cannot_take_is_refused_in_one_line_naming_the_ways_out():
+    import pytest
+    from machinery.errors import UserError
+    data = local_dataset()
+    train, _ = du.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1, eval_batch=4, seed=0,
+                                workers=1, pin_memory=False)
+    train.batch_sampler.set_epoch(1)
+    with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*top level of "
+                                        r"a module.*--workers 0"):
+        list(train)
