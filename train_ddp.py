@@ -227,7 +227,7 @@ def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, ch
     # The epoch's loss sums over all ranks: this waits for the slowest rank (the original's barrier): an honest time.
     if dist.is_initialized():
         dist.all_reduce(sums)
-    step_log.mark("sync")
+    step_log.end_epoch()
     progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - t0
     return False
 

@@ -38,6 +38,7 @@ class StopRequest:
         """Catch the signals while the training loop runs (`with StopRequest() as stop:`); outside it,
         Ctrl-C and SIGTERM act as usual."""
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        quiet_resource_tracker()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -94,6 +95,17 @@ class StopRequest:
 # in one line. (train_ddp.py instead turns them into a checkpointed stop: StopRequest.)
 
 
+def quiet_resource_tracker() -> None:
+    """The DataLoader workers are spawned, which starts multiprocessing's resource tracker. After an exit at once
+    (a stop signal in a tool, a second Ctrl-C in training) it removes the semaphores the loader's queues leave,
+    and warns about them after this process's last line. Its warning, not its cleanup, is turned off here,
+    through the environment it starts with (so before the first worker)."""
+    ours = "ignore:resource_tracker:UserWarning"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if ours not in current:
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [current, ours]))
+
+
 class StoppedBySignal(KeyboardInterrupt):
     """SIGTERM (timeout, scancel, torchrun) or SIGINT (Ctrl-C), raised in the main thread."""
 
@@ -108,6 +120,7 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
     workers). A thread woken by the signal itself (signal.set_wakeup_fd) ends it the same way after `grace_s`
     if the main thread is held up, e.g. in a C call that waits for a peer which has already left. Forked
     processes (DataLoader workers) get the default handling back."""
+    quiet_resource_tracker()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 

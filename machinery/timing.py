@@ -86,6 +86,13 @@ class StepLog:
         if self.profiler:
             self.profiler.after_step(self.steps)
 
+    def end_epoch(self) -> None:
+        """The epoch's training ends here (after its loss sums: sync); a profile still recording stops."""
+        self.mark("sync")
+        self.progress.clear()
+        if self.profiler:
+            self.profiler.finish()  # an epoch shorter than the window: what it recorded, not its evaluation
+
     def watch_ddp(self, ddp_model) -> None:
         """DDP's own all-reduce (allreduce_hook is its default, in Python), with the time each bucket is handed
         to it noted: the last one's is when backward's computation ended on this rank."""
@@ -115,9 +122,6 @@ class StepLog:
         """Every rank's split per step, side by side (a collective, at the epoch's end), the line naming a
         rank that held the others back, if one did, and on CUDA the peak memory: fields for the epoch's
         row of metrics.jsonl."""
-        self.progress.clear()
-        if self.profiler:
-            self.profiler.finish()  # an epoch shorter than the window: what it recorded
         split = self.seconds()
         mine = {"rank": rank, "host": host_name(), "steps": self.steps,
                 "step_s": sum(split.values()) / max(self.steps, 1),
