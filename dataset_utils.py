@@ -33,6 +33,7 @@ from torchvision.datasets.utils import check_integrity, download_url, extract_ar
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.output import log
+from transforms import Augment, Mix, _signed, mix64  # noqa: F401 (mix64: the hash of the crop and flip)
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
 # environment points at a mirror instead (the md5 check still applies).
@@ -250,6 +251,7 @@ class CheckedData:
     spec: DataSpec
     fingerprints: dict
     device: object  # where the loaders keep the data: a torch.device, or None for DataLoader workers
+    val: object = None  # --val-size: the training samples held out to validate on (hold_out)
 
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
@@ -267,7 +269,24 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
     device = call_and_agree(data_device, cfg.loader, env.device, *splits.values())
-    return CheckedData(train_data, test_data, spec, fingerprints, device)
+    val_data = None
+    if train and cfg.val_size:
+        train_data, val_data = call_and_agree(hold_out, train_data, cfg.val_size)
+    return CheckedData(train_data, test_data, spec, fingerprints, device, val_data)
+
+
+def hold_out(train, size: int) -> tuple:
+    """(the rest, `size` samples held out) of the training split: the same samples on every rank and in every
+    run of these data, whatever --seed (a fixed permutation), so that runs compare on one validation split.
+    The data's statistics (DataSpec) stay those of the whole split as loaded."""
+    if size >= len(train):
+        raise UserError(f"--val-size {size} leaves no training samples of the {len(train)}: hold out fewer")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
+    kept, held = order[size:].sort().values, order[:size].sort().values
+    if isinstance(train, ImageData):
+        return (replace(train, images=train.images[kept], labels=train.labels[kept]),
+                replace(train, images=train.images[held], labels=train.labels[held]))
+    return Subset(train, kept.tolist()), Subset(train, held.tolist())
 
 
 def check_split(split, name: str) -> tuple:
@@ -367,33 +386,6 @@ def fingerprint(data) -> str:
 
 # ----------------------------------------------------------------------------- augmentation and loaders
 
-_M64 = (1 << 64) - 1
-_C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >> 63 else c
-
-
-def mix64(seed: int, epoch: int, idx):
-    """splitmix64 of (seed, epoch, index): a well-mixed 64-bit hash that gives each sample its own
-    random crop and flip. `idx` is a Python int (the CPU workers) or an int64 tensor (the device
-    loader): both compute the same bits, so both loaders augment every sample identically."""
-    if isinstance(idx, torch.Tensor):  # int64 wraps like uint64; mask arithmetic shifts into logical ones
-        mul = lambda h, c: h * _signed(c)  # noqa: E731
-        shr = lambda h, s: (h >> s) & ((1 << (64 - s)) - 1)  # noqa: E731
-        h = torch.full_like(idx, _signed(_C0))
-    else:
-        mul = lambda h, c: (h * c) & _M64  # noqa: E731
-        shr = lambda h, s: h >> s  # noqa: E731
-        h = _C0
-    for k in (seed, epoch, idx):
-        h = mul(h ^ k, _C1)
-        h = mul(h ^ shr(h, 31), _C2)
-        h = h ^ shr(h, 29)
-    return h
-
-
 # The augmentation, in one place: zero-pad by an eighth of each side (at least 1 pixel; 4 for 32, as in the
 # WRN paper), crop back to the image's size at an offset drawn from the hash, and mirror left-right on
 # one bit of it. crop_flip (one image, the CPU workers) and crop_flip_batch (a batch, on the device)
@@ -443,10 +435,11 @@ class ImageDataset(Dataset):
     """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
     label) whose items the loader's workers read; a sample that does not read as one of the split's shape
     comes as a BadSample. With `augment`, items are keyed (epoch, index) and get crop_flip with
-    hash(seed, epoch, index): the same for any number of ranks or workers. `split`: "training" or "test"."""
+    hash(seed, epoch, index), then `extra` (transforms.Augment) with the same hash: the same for any number of
+    ranks or workers. `split`: "training" or "test"."""
 
-    def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training"):
-        self.data, self.augment, self.seed, self.split = data, augment, seed, split
+    def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
+        self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
         self.in_memory = isinstance(data, ImageData)
         self.image_shape = (tuple(data.images.shape[1:]) if self.in_memory else
                             tuple(first_readable(data, split)[0][0].shape))
@@ -467,7 +460,13 @@ class ImageDataset(Dataset):
                 return item
             image, label = item
             image, label = pad_images(image, self.pad) if self.augment else image, int(label)  # int64 once collated
-        return (crop_flip(image, mix64(self.seed, epoch, idx), self.pad) if self.augment else image), label
+        if not self.augment:
+            return image, label
+        h = mix64(self.seed, epoch, idx)
+        image = crop_flip(image, h, self.pad)
+        if self.extra is not None and self.extra.active:  # transforms.Augment, on a batch of one: as the device's
+            image = self.extra(image[None], torch.tensor([_signed(h)]))[0]
+        return image, label
 
 
 @dataclass(frozen=True)
@@ -606,37 +605,50 @@ def _collate(shape, batch):
 
 
 def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, accum_steps: int, eval_batch: int,
-                  seed: int, workers: int, pin_memory: bool, device=None, skip_bad_samples: int = 0):
+                  seed: int, workers: int, pin_memory: bool, device=None, skip_bad_samples: int = 0, val=None,
+                  augment: dict | None = None, spec=None):
     """The training loader (this rank's share of each global batch of `batch_size`, as `accum_steps`
     micro-batches back to back; call batch_sampler.set_epoch each epoch, and step_split for each batch's
     micro-batches) and the test loader (sharded without padding or dropping: every test image is scored
     exactly once, in batches of `eval_batch`). The splits are ImageData or Datasets (measure_data); train
     may be None (no training loader). With `device`, both are DeviceLoaders over ImageData held on that
     device; else DataLoaders whose workers read the samples, in AgreedLoaders that skip up to
-    `skip_bad_samples` unreadable training samples per epoch (none in the test set)."""
+    `skip_bad_samples` unreadable training samples per epoch (none in the test set). `augment` (the flags
+    auto_augment, random_erase, mixup_alpha, cutmix_alpha; `spec`: the data's DataSpec) adds transforms.Augment
+    per sample and transforms.Mix per micro-batch to the training loader. With a `val` split (--val-size), the
+    loaders are (train, test, val), val sharded as the test set is."""
     test_loader = build_test_loader(test, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers,
                                     pin_memory=pin_memory, device=device)
+    loaders = [test_loader] if val is None else [test_loader, build_test_loader(
+        val, rank=rank, world_size=world_size, batch_size=eval_batch, workers=workers, pin_memory=pin_memory,
+        device=device, split="validation")]
     if train is None:  # --evaluate
-        return None, test_loader
+        return None, *loaders
     sampler = EpochSampler(len(train), batch_size=batch_size, rank=rank, world_size=world_size,
                            accum_steps=accum_steps, seed=seed)
+    augment = augment or {}
+    image_shape = (spec.channels, spec.height, spec.width) if spec else None
+    extra = Augment(image_shape, auto_augment=augment.get("auto_augment"), random_erase=augment.get("random_erase", 0.0),
+                    fill=tuple(round(255 * m) for m in spec.mean)) if spec and augment else None
+    mix = Mix(mixup_alpha=augment.get("mixup_alpha", 0.0), cutmix_alpha=augment.get("cutmix_alpha", 0.0),
+              num_classes=spec.num_classes if spec else 0, seed=seed, rank=rank, world_size=world_size)
     if device is not None:
-        return DeviceLoader(train, device, sampler=sampler, seed=seed), test_loader
+        return DeviceLoader(train, device, sampler=sampler, seed=seed, extra=extra, mix=mix), *loaders
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
     # it starts an epoch, which would make dropout depend on whether the run was resumed.
-    dataset = ImageDataset(train, augment=True, seed=seed)
+    dataset = ImageDataset(train, augment=True, seed=seed, extra=extra)
     train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, dataset.image_shape),
                               **_loader_options(workers, pin_memory, seed))
-    return AgreedLoader(train_loader, limit=skip_bad_samples), test_loader
+    return AgreedLoader(train_loader, limit=skip_bad_samples, mix=mix), *loaders
 
 
 def build_test_loader(test, *, rank: int, world_size: int, batch_size: int, workers: int, pin_memory: bool,
-                      device=None):
+                      device=None, split: str = "test"):
     """Rank r scores test images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
     shard = range(rank, len(test), world_size)
     if device is not None:
         return DeviceLoader(test, device, indices=shard, batch_size=batch_size)
-    dataset = ImageDataset(test, split="test")
+    dataset = ImageDataset(test, split=split)
     return AgreedLoader(DataLoader(dataset, batch_size=batch_size, sampler=shard, **_loader_options(workers, pin_memory),
                                    collate_fn=functools.partial(_collate, dataset.image_shape)))
 
@@ -664,8 +676,8 @@ class AgreedLoader:
     calls check() (at its stop checks, before any checkpoint) and after the last batch: each is named in the
     log and skipped, up to `limit` per epoch; past it, or for any test sample, every rank raises UserError."""
 
-    def __init__(self, loader: DataLoader, limit: int = 0):
-        self.loader, self.limit = loader, limit
+    def __init__(self, loader: DataLoader, limit: int = 0, mix=None):
+        self.loader, self.limit, self.mix = loader, limit, mix
         self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, EpochSampler) else None
         self.found, self.gaps = [], []  # unreadable since the last check; the last batch's
 
@@ -684,9 +696,14 @@ class AgreedLoader:
             raise UserError(f"load_data's {type(self.loader.dataset.data).__name__} cannot be sent to the DataLoader "
                             f"workers ({str(e).splitlines()[0]}): define its class at the top level of a module, not "
                             f"inside a function, or use --workers 0") from None
-        for images, labels, unreadable in batches:
+        sampler = self.batch_sampler
+        for step, (images, labels, unreadable) in enumerate(batches):
             self.gaps = unreadable
             self.found += unreadable
+            if self.mix is not None and self.mix.active:  # mixup/cutmix within each micro-batch: soft targets
+                position = sampler.start + step * sampler.batch_size
+                images, labels = self.mix(images, labels, epoch=sampler.epoch, position=position,
+                                          micro_sizes=self.step_split(position)[1])
             yield images, labels
         self.check()
 
@@ -733,8 +750,9 @@ class DeviceLoader:
     Batches hold the same samples as the torch loader's (the same EpochSampler) with the same
     crops and flips (the same hash). For data that does not fit on the device, use --loader torch."""
 
-    def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0, seed: int = 0):
-        self.sampler, self.batch_size, self.seed = sampler, batch_size, seed
+    def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0, seed: int = 0,
+                 extra=None, mix=None):
+        self.sampler, self.batch_size, self.seed, self.extra, self.mix = sampler, batch_size, seed, extra, mix
         self.batch_sampler = sampler  # as DataLoader names it
         augment = sampler is not None
         self.pad = crop_padding(*data.images.shape[-2:])
@@ -761,8 +779,15 @@ class DeviceLoader:
         order = torch.tensor([i for keys in steps for _, i in keys], dtype=torch.int64).to(self.images.device)
         h = mix64(self.seed, self.sampler.epoch, order)
         sizes = [len(keys) for keys in steps]
-        for idx, hs in zip(order.split(sizes), h.split(sizes)):
-            yield crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
+        for step, (idx, hs) in enumerate(zip(order.split(sizes), h.split(sizes))):
+            images, labels = crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
+            if self.extra is not None:  # TrivialAugment, random erasing: the same hash, batched
+                images = self.extra(images, hs)
+            if self.mix is not None and self.mix.active:  # mixup/cutmix within each micro-batch: soft targets
+                position = self.sampler.start + step * self.sampler.batch_size
+                images, labels = self.mix(images, labels, epoch=self.sampler.epoch, position=position,
+                                          micro_sizes=self.step_split(position)[1])
+            yield images, labels
 
 
 class Normalize(torch.nn.Module):

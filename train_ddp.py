@@ -6,13 +6,14 @@
 
 The same file runs under plain python and under torchrun: the launcher's environment (RANK, LOCAL_RANK,
 WORLD_SIZE) says whether this is one process of many. On CUDA each process drives the GPU of its LOCAL_RANK
-with NCCL; without CUDA it runs on CPU with gloo. Read it top to bottom: the flags and the named recipes;
-the two places marked ADAPT, where your model and data go (the data describe themselves: channels, size,
-classes, mean and std, and the model, the normalisation and the augmentation follow); then the DDP story:
-train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP and loops
-over the epochs. For a task other than classification, also change loss_fn and the metrics in evaluate().
+with NCCL; without CUDA it runs on CPU with gloo. Its flags and named presets (--recipe) are in config.py.
+Read it top to bottom: the two places marked ADAPT, where your model and data go (the data describe
+themselves: channels, size, classes, mean and std, and the model, the normalisation and the augmentation
+follow); then the DDP story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps
+the model in DDP and loops over the epochs. For a task other than classification, also change loss_fn and the
+metrics in evaluate().
 """
-import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -21,80 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dataset_utils
 import train_utils as utils
-from model import WideResNet, depth_arg, width_arg
-
-# Named presets for --recipe: flag -> value, under any flag given on the command line. With no
-# --recipe the defaults are the original script's 5-epoch smoke run.
-RECIPES = {
-    # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1 per
-    # 128 samples, weight decay 5e-4, 200 epochs, x0.2 at 60/120/160; at batch 512 by the linear rule, 5 warm-up epochs.
-    "wrn-paper": dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
-                      reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
-                      momentum=0.9, nesterov=True, weight_decay=5e-4),
-    # The original script's LR: --base-lr as given for any batch, constant, no warm-up. With its job's flags
-    # (--batch-size 1024 --epochs 100 --base-lr 0.04 --target-accuracy 0.95 --patience 2) it trains at 0.04.
-    "original": dict(lr_scaling="none", warmup_epochs=0.0, lr_schedule="constant"),
-    # About a minute on a CPU: a WRN-10-2 on the learnable synthetic data, no download (13% -> 89% top-1).
-    "cpu-try": dict(dataset="synthetic", depth=10, widen_factor=2, train_size=5000, test_size=1000,
-                    batch_size=128, base_lr=0.1, reference_batch_size=128, epochs=3, out_dir="runs/cpu-try"),
-}
-
-
-def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
-                                epilog="The defaults are the original script's 5-epoch smoke run.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = p.add_argument_group("the original script's flags").add_argument  # their meaning kept
-    add("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
-    add("--epochs", type=int, default=5, help="number of epochs to train")
-    add("--base-lr", type=float, default=0.01, help="LR for a global batch of --reference-batch-size")
-    add("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) for early stopping")
-    add("--patience", type=int, default=2, help="stop after this many epochs in a row at or above the target")
-    add = p.add_argument_group("model").add_argument
-    add("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
-    add("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
-    add("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
-    add = p.add_argument_group("data").add_argument
-    add("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: learnable, no download")
-    add("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
-    add("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
-    add("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
-    add("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data kept on the device (the CPU "
-        "without CUDA); torch: DataLoader workers; auto: gpu on CUDA, else torch")
-    add("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
-    add("--skip-bad-samples", type=int, default=0, help="skip up to N unreadable training samples per epoch (0: stop)")
-    add = p.add_argument_group("optimisation and schedule").add_argument
-    add("--micro-batch", type=int, default=None, help="most samples per forward on a rank, more by accumulation")
-    add("--reference-batch-size", type=int, default=512, help="the global batch --base-lr was tuned for")
-    add("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="LR rule for the batch's ratio")
-    add("--lr-schedule", choices=["cosine", "step", "constant"], default="cosine", help="after warm-up: cosine to 0, "
-        "x0.2 steps at 30/60/80%%, or constant")
-    add("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
-    add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum")
-    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
-    add("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
-    add("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
-    add("--find-unused-parameters", action="store_true", help="let the loss leave parameters out (DDP: cost per step)")
-    add = p.add_argument_group("the run").add_argument
-    add("--recipe", choices=sorted(RECIPES), default=None, help="a named preset (below); flags given win over it")
-    add("--out-dir", default="./runs/wrn", help="checkpoints, metrics and summary; a checkpoint here is resumed")
-    add("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
-    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
-    add("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 on GPUs")
-    add("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
-    add("--log-every", type=int, default=50, help="a progress line every N steps (0: none)")
-    add("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: at epoch ends only)")
-    add("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
-    add("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, to resume later (0: never)")
-    add("--evaluate", action="store_true", help="score the checkpoint in --out-dir on its test set, and exit")
-    add("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
-    add("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
-    add("--profile", action="store_true", help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
-    return p
+from config import RECIPES, get_args_parser  # the flags (one flat argparse config) and --recipe's named presets
+from model import WideResNet
 
 
 def build_model(cfg, data) -> nn.Module:
@@ -110,9 +43,8 @@ def model_config(cfg, data) -> dict:
 
 
 def load_data(cfg, env, train: bool = True):
-    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
-    that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
-    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
+    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data in
+    memory, or Datasets of (uint8 C x H x W tensor, label); train: None if not asked for (see measure_data)."""
     # ADAPT (2/2): your data here.
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
@@ -130,6 +62,8 @@ class Training:
     normalize: nn.Module
     train_loader: object
     test_loader: object
+    val_loader: object = None  # --val-size: the held-out training samples, scored as the test set is
+    ema: AveragedModel | None = None  # --model-ema: the average of the weights and buffers, evaluated and saved
 
 
 def build_training(cfg, env, data) -> Training:
@@ -142,7 +76,11 @@ def build_training(cfg, env, data) -> Training:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # On CUDA the model is kept channels_last, the layout cuDNN's fastest convolutions want.
     model = model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+    params = model.parameters()
+    if cfg.norm_weight_decay is not None:  # biases and norm layers' scales and shifts: the 1-d tensors
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+                  {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": cfg.norm_weight_decay}]
+    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
                                 weight_decay=cfg.weight_decay, fused=device.type == "cuda")  # LR: set every step
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
@@ -150,20 +88,26 @@ def build_training(cfg, env, data) -> Training:
     # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each
     # rank its share of every global batch, a new order per epoch; unlike it, it pads nothing, deals micro-batches
     # as virtual ranks (accumulation trains as more GPUs would), starts mid-epoch. Test: rank r scores r, r + W, ...
-    train_loader, test_loader = dataset_utils.build_loaders(
+    augment = {k: cfg.flags[k] for k in ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha")}  # keyed too
+    train_loader, test_loader, *val_loader = dataset_utils.build_loaders(
         data.train, data.test, batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size,
         accum_steps=cfg.accumulation_steps, eval_batch=cfg.eval_batch, seed=cfg.seed, workers=cfg.num_workers,
-        pin_memory=device.type == "cuda", device=data.device, skip_bad_samples=cfg.skip_bad_samples)
+        pin_memory=device.type == "cuda", device=data.device, skip_bad_samples=cfg.skip_bad_samples, val=data.val,
+        augment=augment, spec=data.spec)
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=device.type == "cuda")
-    return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader)
+    # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step, cfg.ema_decay).
+    ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
+           if cfg.model_ema else None)
+    return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader, *val_loader, ema=ema)
 
 
-def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, amp_dtype, micro_sizes,
-               step_samples, step_log):
+def train_step(model, images, labels, *, training: Training, cfg, micro_sizes, step_samples, step_log):
     """One optimizer step on this rank's share of a global batch of `step_samples` samples, in micro-batches
-    of `micro_sizes` (EpochSampler.step_split); `loss_fn` sums; `step_log` (utils.StepLog) times its phases.
-    Returns the step's loss sums on the device (utils.loss_stats): a read on the host would stall the GPU."""
-    device = normalize.scale.device
+    of `micro_sizes` (EpochSampler.step_split); `step_log` (utils.StepLog) times its phases; `labels`: classes,
+    or soft targets (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and
+    with --clip-grad-norm the gradients' norm): a read on the host would stall the GPU."""
+    normalize, optimizer, scaler, loss_fn = training.normalize, training.optimizer, training.scaler, training.loss_fn
+    device, amp_dtype = normalize.scale.device, cfg.amp_dtype
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
     step_log.mark("data")  # since the previous step: the loader's next batch, its copy and normalisation
@@ -178,7 +122,7 @@ def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, 
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
-        stats = stats + utils.loss_stats(loss.detach(), y.numel())
+        stats = stats + utils.step_stats(loss.detach(), len(y))
         # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks, rank
         # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw only
         # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
@@ -187,8 +131,13 @@ def train_step(model, images, labels, *, normalize, optimizer, scaler, loss_fn, 
     step_log.mark_backward()  # forward and backward, then the all-reduce's tail that backward did not hide
     for buffer, kept in zip(model.buffers(), kept_buffers or []):
         buffer.copy_(kept)
+    if cfg.clip_grad_norm:  # the norm of the all-reduced gradients, the same on every rank; fp16: unscaled first
+        scaler.unscale_(optimizer)
+        stats += utils.step_stats(grad_norm=nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm))
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
+    if training.ema is not None:  # the same update on every rank: the weights are the same after the step
+        training.ema.update_parameters(model)
     step_log.mark("optimizer")
     return stats
 
@@ -202,7 +151,7 @@ def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, ch
     loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # after a resume: the rest
     # Loss sum over finite losses, their n, and all n. A resumed epoch's sums so far count once: on rank 0.
     first = not dist.is_initialized() or dist.get_rank() == 0
-    sums = torch.tensor(progress.sums if first else [0.0] * 3, dtype=torch.float64, device=device)
+    sums = torch.tensor(progress.sums if first else [0.0] * len(progress.sums), dtype=torch.float64, device=device)
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
     t0 = time.perf_counter() - progress.elapsed_s
     step_log.start()
@@ -215,9 +164,8 @@ def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, ch
                                       warmup_epochs=cfg.warmup_epochs, schedule=cfg.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums += train_step(model, images, labels, normalize=training.normalize, optimizer=optimizer,
-                           scaler=training.scaler, loss_fn=training.loss_fn, amp_dtype=cfg.amp_dtype,
-                           micro_sizes=micro_sizes, step_samples=step_samples, step_log=step_log)
+        sums += train_step(model, images, labels, training=training, cfg=cfg, micro_sizes=micro_sizes,
+                           step_samples=step_samples, step_log=step_log)
         progress.position, progress.step = done, progress.step + 1
         step_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)  # a progress line, if due
         if utils.stop_or_checkpoint_mid_epoch(progress, sums, t0=t0, cfg=cfg, stop=stop, checkpoint=checkpoint,
@@ -233,10 +181,12 @@ def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, ch
 
 
 @torch.no_grad()
-def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int) -> dict:
+def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: bool = False) -> dict:
     """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
     the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
-    forward may broadcast, and a rank with an empty shard would not join. The count check: every image once."""
+    forward may broadcast, and a rank with an empty shard would not join. The count check: every image once.
+    `tta`: each image's logits averaged with its mirror's."""
+    device = normalize.scale.device
     # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does not
     # re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
     if dist.is_initialized():
@@ -249,6 +199,8 @@ def evaluate(model, loader, *, normalize, device, amp_dtype, expected_count: int
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
+            if tta:
+                logits = (logits + model(images.flip(3))) / 2
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
         batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
@@ -271,12 +223,14 @@ def train(cfg, env, found, lock) -> int:
     data = dataset_utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
     utils.log_start(cfg, env, data, found, parser=get_args_parser())  # the original script's first lines, LR, data
     training = build_training(cfg, env, data)
-    model = eval_model = training.model  # the bare model: evaluate() and checkpoints use it
+    model = training.model  # the bare model: checkpoints hold it; evaluate() scores it, or its weight EMA
+    eval_model = training.ema.module if training.ema is not None else model
 
     # ------------------------------------------------------------------ resume, then DDP
     # What a checkpoint holds. ADAPT: register other state a resume needs (checkpoint.add).
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
                                   model=model, optimizer=training.optimizer, scaler=training.scaler)
+    checkpoint.add("model_ema", training.ema, when_absent="the average starts from the weights")  # if --model-ema
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
     # Progress lines, and where each rank's step time goes, side by side at each epoch's end (--profile: traces).
     step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile")
@@ -299,8 +253,12 @@ def train(cfg, env, found, lock) -> int:
                                checkpoint=checkpoint, step_log=step_log):
                 return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
             stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN raises
-            val = evaluate(eval_model, training.test_loader, normalize=training.normalize, device=env.device,
-                           amp_dtype=cfg.amp_dtype, expected_count=len(data.test))
+            score = functools.partial(evaluate, eval_model, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
+                                      tta=cfg.tta)
+            val = score(training.test_loader, expected_count=len(data.test))  # the original script's "validation"
+            if training.val_loader is not None:  # --val-size: the held-out split validates; the test set only reports
+                test = {k.replace("val_", "test_"): v for k, v in val.items()}
+                val = {**score(training.val_loader, expected_count=len(data.val)), **test}
             metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg,
                                             timing=step_log.finish_epoch(env.rank))  # every rank's time split
             utils.log_epoch(metrics, cfg.epochs)  # the original script's four lines, and a rank that held others back
@@ -325,12 +283,14 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     data = dataset_utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
     training = build_training(cfg, env, data)
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model)
+    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")  # what it scores, if any
     progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
-    model = torch.compile(training.model, dynamic=False) if cfg.compile else training.model
+    model = training.ema.module if training.ema is not None and training.ema.n_averaged else training.model
+    model = torch.compile(model, dynamic=False) if cfg.compile else model
     utils.log(f"Evaluating {found.path} ({found.describe_model()}, {progress.epoch} of {cfg.epochs} epochs "
               f"trained) on {len(data.test)} test images with {env.world_size} processes")
-    metrics = evaluate(model, training.test_loader, normalize=training.normalize, device=env.device,
-                       amp_dtype=cfg.amp_dtype, expected_count=len(data.test))
+    metrics = evaluate(model, training.test_loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
+                       expected_count=len(data.test), tta=cfg.tta)
     utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path)  # eval.json
     return 0
 

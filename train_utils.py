@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from machinery.checkpoints import (Found, check_format, check_room, check_same_model, describe_position,
-                                   find_checkpoint, save_checkpoint)
+                                   find_checkpoint, is_best_epoch, load_initial_weights, save_checkpoint)
 from machinery.cli import check_args, run_cli
 from machinery.errors import EXIT_STOPPED, UserError, WriteError, all_gather, call_and_agree, leave_on_user_error
 from machinery.files import write_on_main
@@ -37,7 +37,7 @@ from machinery.timing import StepLog
 __all__ = [  # what the recipe calls, from here or from the machinery
     "run_cli", "init_distributed", "check_args", "lock_out_dir", "find_checkpoint", "make_config", "RunConfig",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch", "lr_factor",
-    "sync_gradients", "loss_stats", "stop_or_checkpoint_mid_epoch", "NO_FORWARD_BUFFER_SYNC", "StopRequest",
+    "sync_gradients", "step_stats", "stop_or_checkpoint_mid_epoch", "NO_FORWARD_BUFFER_SYNC", "StopRequest",
     "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
 
@@ -59,6 +59,7 @@ class RunConfig:
     num_workers: int         # DataLoader workers per rank (--loader torch)
     device_type: str         # cuda or cpu
     amp_dtype: torch.dtype | None  # autocast's dtype, or None for full fp32
+    ema_decay: float         # --model-ema's decay per optimizer step: --model-ema-decay per reference batch
 
     def __getattr__(self, name):
         flags = self.__dict__.get("flags")
@@ -88,7 +89,10 @@ def make_config(args, env: DistEnv, found: Found | None = None) -> RunConfig:
         eval_batch=min(per_rank_batch, args.micro_batch or per_rank_batch), lr=scaled_lr(args.base_lr, args.batch_size,
                                                                args.reference_batch_size, args.lr_scaling),
         num_workers=args.workers if args.workers >= 0 else default_workers(env), device_type=env.device.type,
-        amp_dtype=resolve_amp(args.amp, env.device))
+        amp_dtype=resolve_amp(args.amp, env.device),
+        # The average's horizon stays the same in samples whatever the batch: a step of B samples decays it by
+        # D^(B / reference batch) (torchvision adjusts its decay for the batch and EMA interval alike).
+        ema_decay=args.model_ema_decay ** (args.batch_size / args.reference_batch_size))
 
 
 def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
@@ -149,12 +153,22 @@ def sync_gradients(model, enabled: bool):
     return ddp.no_sync() if not enabled and isinstance(ddp, DDP) else nullcontext()
 
 
-def loss_stats(loss_sum: torch.Tensor, n: int) -> torch.Tensor:
-    """A micro-batch's share of the epoch's sums, from its summed loss over n samples: the loss sum
-    if finite, n if it is, and n. Device tensors only, so nothing waits for the GPU."""
-    finite = torch.isfinite(loss_sum)
-    one = torch.ones((), dtype=torch.float64, device=loss_sum.device)
-    return torch.stack([torch.where(finite, loss_sum.double(), 0.0), finite.double() * n, one * n])
+EPOCH_SUMS = 6  # loss * n over finite losses, their n, all n; gradient norm over finite norms, their steps, all steps
+
+
+def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, grad_norm: torch.Tensor | None = None):
+    """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's, from its summed loss over n samples (the
+    loss sum if finite, n if it is, and n), or a step's clipped gradient norm (the norm if finite, 1 if it
+    is, and 1), counted on rank 0 alone: every rank has the same norm, and the sums are all-reduced. Device
+    tensors only, so nothing waits for the GPU."""
+    value = loss_sum if grad_norm is None else grad_norm
+    finite = torch.isfinite(value).double()
+    zero = torch.zeros(3, dtype=torch.float64, device=value.device)
+    if grad_norm is None:
+        return torch.cat([torch.stack([torch.where(finite > 0, value.double(), 0.0), finite * n, finite * 0 + n]), zero])
+    rank0 = float(not dist.is_initialized() or dist.get_rank() == 0)
+    return torch.cat([zero, torch.stack([torch.where(finite > 0, value.double(), 0.0), finite, finite * 0 + 1])
+                      * rank0])
 
 
 def stop_or_checkpoint_mid_epoch(progress, sums: torch.Tensor, *, t0: float, cfg, stop, checkpoint, loader,
@@ -189,7 +203,7 @@ class Progress:
     epoch: int = 0              # epochs completed
     position: int = 0           # samples of epoch + 1's order trained so far (global, all ranks)
     step: int = 0               # steps taken in epoch + 1 (for the progress lines and --checkpoint-every)
-    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # that epoch so far: loss * n, n (finite), n
+    sums: list = field(default_factory=lambda: [0.0] * EPOCH_SUMS)  # that epoch so far (step_stats)
     elapsed_s: float = 0.0      # that epoch's training time so far
     history: list = field(default_factory=list)  # one metrics dict per completed epoch
     total_time_s: float = 0.0
@@ -207,11 +221,16 @@ class Progress:
         split of its step time, from StepLog.finish_epoch), kept in the history; decide
         early stopping (from the all-reduced accuracy, so every rank decides alike); the next epoch
         starts at its beginning. Returns the row."""
-        loss_sum, n_finite, count = self.sums
+        loss_sum, n_finite, count, norm_sum, norm_steps, steps = self.sums
         metrics = {"epoch": epoch, "train_loss": loss_sum / max(n_finite, 1), "train_samples": int(count), **val,
                    "lr": lr, "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s}
         if n_finite < count:  # fp16: samples whose loss was not finite, in steps the scaler skipped
             metrics["nonfinite_samples"] = int(count - n_finite)
+        if steps:  # --clip-grad-norm: the mean norm before clipping, and the steps skipped for a non-finite one
+            metrics["grad_norm"] = norm_sum / max(norm_steps, 1)
+            metrics["nonfinite_grad_steps"] = int(steps - norm_steps)
+        if cfg.flags.get("model_ema"):
+            metrics["scored"] = "model_ema"  # the test (and validation) metrics are the weight EMA's
         metrics["skipped_samples"] = len(self.skipped)  # unreadable, skipped (--skip-bad-samples); named in the log
         metrics.update(timing)
         self.history.append(metrics)
@@ -220,7 +239,7 @@ class Progress:
         self.epoch, self.position, self.step = epoch, 0, 0
         self.total_time_s += self.elapsed_s
         self.total_images += int(count)
-        self.sums, self.elapsed_s, self.skipped = [0.0] * 3, 0.0, []
+        self.sums, self.elapsed_s, self.skipped = [0.0] * EPOCH_SUMS, 0.0, []
         return metrics
 
 
@@ -243,16 +262,21 @@ class Checkpoint:
 
     def add(self, name: str, obj, *, when_absent: str, start_absent=lambda: None) -> None:
         """Register optional state: saved and restored like the rest; a checkpoint without it resumes, with
-        start_absent() called and a note saying `when_absent` (e.g. "the average starts from the weights")."""
-        self.optional[name] = (obj, when_absent, start_absent)
+        start_absent() called and a note saying `when_absent` (e.g. "the average starts from the weights").
+        None (an option that is off) registers nothing."""
+        if obj is not None:
+            self.optional[name] = (obj, when_absent, start_absent)
 
     def objects(self) -> dict:
         return {**self.required, **{name: obj for name, (obj, _, _) in self.optional.items()}}
 
     def restore(self, found: Found) -> Progress:
         """Load the checkpoint's state into the registered objects; say what changed. Returns where
-        training stands: the checkpoint's Progress, or a new one (epoch 0) for a new run."""
+        training stands: the checkpoint's Progress, or a new one (epoch 0) for a new run, which starts
+        from --init-from's weights if given (the model's only: the rest starts afresh)."""
         if found.ckpt is None:
+            if self.cfg.flags.get("init_from") and not self.cfg.evaluate:
+                log(call_and_agree(load_initial_weights, self.required["model"], self.cfg.init_from))
             return Progress()
         ckpt, cfg, env = found.ckpt, self.cfg, self.env
         check_format(ckpt, found.path, required=self.required)
@@ -267,6 +291,7 @@ class Checkpoint:
                 start_absent()
                 log(f"note: {found.path} holds no {name} (written before it was added): {when_absent}")
         saved, progress = ckpt["config"], Progress(**ckpt["progress"])
+        progress.sums += [0.0] * (EPOCH_SUMS - len(progress.sums))  # a checkpoint from before the gradient norm
         if not cfg.evaluate:
             note_resume_changes(saved, cfg, progress)
         progress.step = -(-progress.position // cfg.batch_size)
@@ -294,8 +319,10 @@ class Checkpoint:
                  "model_config": self.model_config, "data": self.data.fingerprints,
                  "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
         out_dir, what = self.cfg.out_dir, f"the checkpoint {describe_position(**asdict(progress))}"
-        write_on_main(self.env, lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints), what=what,
-                      out_dir=out_dir, lock=self.lock)
+        # With a validation split (--val-size), an epoch's end with the best validation accuracy so far is also best.pt.
+        best = bool(self.cfg.flags.get("val_size")) and not progress.position and is_best_epoch(progress.history)
+        write_on_main(self.env, lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
+                      what=what, out_dir=out_dir, lock=self.lock)
 
 
 def note_resume_changes(saved: dict, cfg: RunConfig, progress: Progress) -> None:
@@ -344,6 +371,15 @@ def log_epoch(metrics: dict, epochs: int) -> None:
     log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
     log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
     log(f"Train Loss: {metrics['train_loss']:.4f}, Validation Top-5 Accuracy: {metrics['val_top5']:.4f}")
+    if "test_acc" in metrics:  # --val-size: the lines above score the validation split, this one the test set
+        log(f"Test Loss: {metrics['test_loss']:.4f}, Test Accuracy: {metrics['test_acc']:.4f}, Test Top-5 Accuracy: "
+            f"{metrics['test_top5']:.4f}")
+    if metrics.get("scored") == "model_ema":
+        log("(scores of the weight EMA, --model-ema)")
+    if "grad_norm" in metrics:
+        skipped = metrics["nonfinite_grad_steps"]
+        log(f"Gradient norm before clipping: {metrics['grad_norm']:.3f} (mean over the epoch's steps"
+            f"{f'; {skipped} steps with a non-finite norm skipped' if skipped else ''})")
     if "peak_memory_gib" in metrics:  # CUDA
         ranks = metrics["rank_times"]
         top = max(ranks, key=lambda r: r["peak_memory_gib"])

@@ -81,13 +81,19 @@ def check_format(ckpt, path: str, required=()) -> None:
 
 
 # What a checkpoint's run trained on: a run on other data must not continue it.
-DATA_FLAGS = ("dataset", "train_size", "test_size", "seed")
+DATA_FLAGS = ("dataset", "train_size", "test_size", "seed", "val_size")
+
+# How it trained: a resume that changed one of these would silently train another recipe from mid-run on, so it is
+# refused (the LR, batch size and schedule may change: a resume says so). --tta and --init-from may change: --tta
+# only scores, and --init-from only starts a new run.
+RECIPE_FLAGS = ("model_ema", "model_ema_decay", "clip_grad_norm", "random_erase", "auto_augment", "mixup_alpha",
+                "cutmix_alpha", "norm_weight_decay")
 
 
 # What --evaluate may take from the command line instead of the checkpoint.
 QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
                  "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp",
-                 "skip_bad_samples", "profile", "find_unused_parameters")
+                 "skip_bad_samples", "profile", "find_unused_parameters", "tta", "init_from")
 
 
 def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
@@ -115,6 +121,12 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
             raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} of the checkpoint in "
                             f"{flags['out_dir']}, which trained other {what}: use another --out-dir for a new run, or "
                             f"{flag} {saved[key]} to continue it")
+    for key in (RECIPE_FLAGS if not flags["evaluate"] else ()):
+        if key in saved and flags.get(key) != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} the checkpoint in {flags['out_dir']} "
+                            f"trained with: changed mid-run it would make the run another recipe; give {flag} "
+                            f"{saved[key]} to continue it, or use another --out-dir for a new run")
     if flags["evaluate"]:
         return flags, []
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in flags.items()
@@ -277,19 +289,77 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
-def save_checkpoint(out_dir: str, state: dict, keep: int) -> None:
+def save_checkpoint(out_dir: str, state: dict, keep: int, best: bool = False) -> None:
     """Write the new checkpoint in full to a temporary file, then shift the older ones down and
-    rename it into place. A crash at any point leaves the previous checkpoints loadable."""
+    rename it into place; if `best`, also as best.pt. A crash at any point leaves the previous
+    checkpoints loadable."""
     paths = checkpoint_paths(out_dir, keep)
     for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
-        if name.startswith(".checkpoint.") and name.endswith(".tmp"):
+        if name.startswith((".checkpoint.", ".best.pt.")) and name.endswith(".tmp"):
             os.unlink(os.path.join(out_dir, name))
+    if best:  # written first: a checkpoint.pt of this epoch never stands beside an older best.pt
+        atomic_write(os.path.join(out_dir, BEST), lambda f: torch.save(state, f))
 
     def shift_older():
         for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
             if os.path.exists(newer):
                 os.replace(newer, older)
     atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
+
+
+BEST = "best.pt"  # the checkpoint of the best validation accuracy so far (--val-size)
+
+
+def is_best_epoch(history: list) -> bool:
+    """Whether the last epoch of `history` has the best validation accuracy so far (the first of equals)."""
+    return bool(history) and all(history[-1]["val_acc"] > m["val_acc"] for m in history[:-1])
+
+
+def load_initial_weights(model: torch.nn.Module, path: str) -> str:
+    """--init-from: load `path`'s weights into `model` (on every rank) and return the line that says what
+    was loaded. `path`: this project's checkpoint (its weight EMA if it has one, else its model) or a state_dict
+    (keys prefixed by DDP's "module." or torch.compile's "_orig_mod." are taken as bare). A classifier head (the
+    model's last nn.Linear) of another shape, or absent, keeps its fresh initialisation, as fine-tuning on another
+    number of classes needs; any other missing, extra or misshapen tensor is refused, naming it."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # data, never code: as every checkpoint here
+    except FileNotFoundError:
+        raise UserError(f"--init-from {path}: no such file") from None
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds for a file that is not a checkpoint)
+        raise UserError(f"--init-from {path} does not load as a checkpoint or a state_dict "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    what = "the state_dict"
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        if state.get("model_ema"):  # torch's AveragedModel: the model under "module.", and its count
+            state, what = {k: v for k, v in state["model_ema"].items() if k != "n_averaged"}, "the weight EMA"
+        else:
+            state, what = state["model"], "the model"
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"--init-from {path} holds neither a checkpoint of this project nor a state_dict "
+                        f"(a dict of tensors)")
+    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    own = model.state_dict()
+    heads = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    head = {f"{heads[-1]}.{k}" for k, _ in model.get_submodule(heads[-1]).named_parameters()} if heads else set()
+    for key in sorted(set(state) - set(own)):
+        raise UserError(f"--init-from {path}: its tensor {key} has no place in this model (the model's layers differ: "
+                        f"build the model the weights were trained as)")
+    fresh = {k for k in own if k not in state or state[k].shape != own[k].shape}
+    for key in sorted(fresh - head):
+        got = f"is {tuple(state[key].shape)}, the model's {tuple(own[key].shape)}" if key in state else "is missing"
+        raise UserError(f"--init-from {path}: layer {key} {got}: the weights fit another model; build the model "
+                        f"they were trained as (only a classifier head may differ)")
+    with torch.no_grad():
+        for key, tensor in own.items():
+            if key not in fresh:
+                tensor.copy_(state[key])
+    line = f"Initialised from {what} in {path}"
+    if fresh:
+        weight = f"{heads[-1]}.weight"
+        before = f"{state[weight].shape[0]} classes" if weight in state else "none"
+        line += (f"; its classifier head {heads[-1]} ({before}) is re-initialised for this model's "
+                 f"{own[weight].shape[0]} classes")
+    return line + " (a new run: fresh optimizer and schedule)"
 
 
 def describe_position(epoch: int, position: int, step: int, **_) -> str:

@@ -108,8 +108,25 @@ def check_args(args, world_size: int, device: torch.device) -> None:
                         f"(leave it out for no cap)")
     if args.sync_bn and device.type != "cuda":
         raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
+    check_recipe_args(args)
     if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
         raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
+
+
+def check_recipe_args(args) -> None:
+    """The modern recipe's flags (those this parser has)."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    if not 0.0 < get("model_ema_decay", 0.5) < 1.0:
+        raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
+                        f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
+    for name in ("clip_grad_norm", "norm_weight_decay"):
+        if get(name) is not None and get(name) < 0 or (name == "clip_grad_norm" and get(name) == 0):
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {get(name)} (leave it out for none)")
+    if not 0.0 <= get("random_erase", 0.0) <= 1.0:
+        raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
+    for name in ("mixup_alpha", "cutmix_alpha", "val_size"):
+        if get(name, 0) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {get(name)} (0: off)")
 
 
 def refuse_flags(parser, message: str):

@@ -6,6 +6,7 @@ with N ranks of GLOBAL_BATCH/N the step must equal one rank with GLOBAL_BATCH.
 """
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
@@ -40,8 +41,9 @@ def step_and_save():
     sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
     step_samples, micro_sizes = loader.batch_sampler.step_split(0)
     assert micro_sizes == [len(labels)]
-    train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler, loss_fn=sum_loss,
-                         amp_dtype=None, micro_sizes=micro_sizes, step_samples=step_samples,
+    training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
+    train_ddp.train_step(model, images, labels, training=training, cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
+                         micro_sizes=micro_sizes, step_samples=step_samples,
                          step_log=train_utils.StepLog(0, normalize.scale.device))
     if env.is_main:
         torch.save(getattr(model, "module", model).state_dict(), out)

@@ -9,6 +9,7 @@ SyncBatchNorm supports too (it all-gathers the statistics): the math is the same
 """
 import os
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch  # noqa: E402
@@ -50,9 +51,10 @@ def step_and_save():
     for step, (images, labels) in enumerate(loader):
         assert len(labels) == batch // env.world_size, "one step of one global batch"
         sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
-        train_ddp.train_step(model, images, labels, normalize=normalize, optimizer=optimizer, scaler=scaler,
-                             loss_fn=sum_loss, amp_dtype=None, micro_sizes=[len(labels)], step_samples=batch,
-                             step_log=train_utils.StepLog(0, normalize.scale.device))
+        training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
+        train_ddp.train_step(model, images, labels, training=training,
+                             cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None), micro_sizes=[len(labels)],
+                             step_samples=batch, step_log=train_utils.StepLog(0, normalize.scale.device))
         break
     if env.is_main:
         torch.save({k: v.cpu() for k, v in getattr(model, "module", model).state_dict().items()}, out)

@@ -1,4 +1,4 @@
-"""Presets in Python (--recipe NAME, RECIPES in train_ddp.py): wrn-paper is the WRN paper's recipe, carried
+"""Presets in Python (--recipe NAME, RECIPES in config.py): wrn-paper is the WRN paper's recipe, carried
 to its batch, and the job scripts run it by name; flags given on the command line win whatever their order;
 --help lists each preset and what it sets; with no --recipe the defaults stay the original script's smoke run."""
 import pytest
