@@ -345,7 +345,7 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
         raise UserError(f"--init-from {path}: its tensor {key} has no place in this model (the model's layers differ: "
                         f"build the model the weights were trained as)")
     fresh = {k for k in own if k not in state or state[k].shape != own[k].shape}
-    for key in sorted(fresh - head):
+    for key in sorted(fresh - head, key=lambda k: (k not in state, k)):  # a misshapen layer says most: first
         got = f"is {tuple(state[key].shape)}, the model's {tuple(own[key].shape)}" if key in state else "is missing"
         raise UserError(f"--init-from {path}: layer {key} {got}: the weights fit another model; build the model "
                         f"they were trained as (only a classifier head may differ)")

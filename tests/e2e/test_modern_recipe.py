@@ -1,0 +1,191 @@
+"""The modern recipe's options through the real entry point, on 2 CPU ranks: each option keeps what sets this
+reference apart (a mid-epoch stop and resume ends bit-identical to the uninterrupted run; W ranks x A micro-steps
+train as W x A ranks), and each behaviour does what it says: the weight EMA is updated every step, scored, saved
+and what --evaluate scores; clipping bounds the update and reports the norm of the unscaled gradients under fp16;
+the validation split is held out, selects best.pt and leaves the test set to report; --init-from starts from a
+file's weights (another head afresh, another layer refused); a resume that changes the recipe is refused.
+(The pieces in-process: tests/unit/test_modern_options.py.)"""
+import pytest
+import torch
+
+from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch, load_model_state, read_json,
+                     read_jsonl)
+
+# 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check (step 10).
+RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 1,
+       "--base-lr", 0.1, "--reference-batch-size", 128, *TINY, "--device", "cpu"]
+# 2 ranks x 2 micro-steps against 1 rank x 4 (test_accumulation.py's run, one epoch: 5 steps of 64 and one of 45).
+ACCUM = ["--dataset", "synthetic", "--train-size", 365, "--test-size", 50, "--batch-size", 64, "--epochs", 1,
+         "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, "--loader", "gpu", *TINY, "--device", "cpu"]
+
+OPTIONS = {
+    "model-ema": ["--model-ema", "--model-ema-decay", 0.9],
+    "clip-grad-norm": ["--clip-grad-norm", 0.3],
+    "random-erase": ["--random-erase", 0.5],
+    "auto-augment": ["--auto-augment", "ta_wide"],
+    "mixup": ["--mixup-alpha", 0.4],
+    "cutmix": ["--cutmix-alpha", 1.0],
+    "norm-weight-decay": ["--norm-weight-decay", 0],
+    "tta": ["--tta"],
+    "val-size": ["--val-size", 64],
+    "init-from": ["--init-from", "WEIGHTS"],  # replaced by a state_dict the test writes
+}
+
+
+def options(name, tmp_path):
+    flags = list(OPTIONS[name])
+    if "WEIGHTS" in flags:
+        torch.manual_seed(7)
+        from model import WideResNet
+        torch.save(WideResNet(10, 1, num_classes=100, in_channels=3).state_dict(), tmp_path / "weights.pt")
+        flags[flags.index("WEIGHTS")] = tmp_path / "weights.pt"
+    return flags
+
+
+def assert_same_state(a, b):
+    """Two checkpoints hold the same model (and weight EMA) bit for bit, at the same place."""
+    assert a["progress"]["position"] == b["progress"]["position"] and a["progress"]["epoch"] == b["progress"]["epoch"]
+    for part in ("model", "model_ema"):
+        assert (part in a) == (part in b)
+        for k, v in a.get(part, {}).items():
+            assert torch.equal(v, b[part][k]), (part, k)
+
+
+def without_timings(metrics):
+    return [{k: v for k, v in m.items() if k not in TIMING_METRICS} for m in metrics]
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, tmp_path):
+    flags = [*RUN, *options(name, tmp_path)]
+    reference, out, stop_file = tmp_path / "reference", tmp_path / "run", tmp_path / "stop"
+    launch([*flags, "--out-dir", reference], nproc=2)
+    stop_file.touch()
+    first = launch([*flags, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
+    assert first.returncode != 0 and "in epoch 1 after step 10" in first.stdout, first.stdout + first.stderr
+    assert load_model_state(out)["progress"]["position"] == 320
+    stop_file.unlink()
+    second = launch([*flags, "--out-dir", out], nproc=2)
+    assert "Resumed from" in second.stdout and "Initialised from" not in second.stdout
+    assert_same_state(load_model_state(out), load_model_state(reference))
+    assert without_timings(read_jsonl(out / "metrics.jsonl")) == without_timings(read_jsonl(reference / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("name", OPTIONS)
+def test_each_option_trains_the_same_on_2_ranks_x_2_micro_steps_as_on_1_x_4(name, tmp_path):
+    flags = [*ACCUM, *options(name, tmp_path)]
+    launch([*flags, "--out-dir", tmp_path / "w2"], nproc=2)
+    launch([*flags, "--out-dir", tmp_path / "w1"], nproc=1)
+    a, b = load_model_state(tmp_path / "w2"), load_model_state(tmp_path / "w1")
+    assert_close_models(a, b)
+    if "model_ema" in a:
+        assert_close_models({"model": a["model_ema"]}, {"model": b["model_ema"]})
+    m2, m1 = read_jsonl(tmp_path / "w2" / "metrics.jsonl"), read_jsonl(tmp_path / "w1" / "metrics.jsonl")
+    assert m2[0]["train_samples"] == m1[0]["train_samples"]
+    assert m2[0]["train_loss"] == pytest.approx(m1[0]["train_loss"], rel=1e-4)
+    assert m2[0]["val_loss"] == pytest.approx(m1[0]["val_loss"], rel=1e-4)
+
+
+def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(tmp_path):
+    out = tmp_path / "run"
+    proc = launch([*RUN, "--epochs", 2, "--model-ema", "--model-ema-decay", 0.9, "--out-dir", out], nproc=2)
+    assert proc.stdout.count("(scores of the weight EMA, --model-ema)") == 2
+    ckpt = load_model_state(out)
+    assert int(ckpt["model_ema"]["n_averaged"]) == 40  # 20 steps x 2 epochs, on every rank alike
+    ema = {k.removeprefix("module."): v for k, v in ckpt["model_ema"].items() if k != "n_averaged"}
+    assert sorted(ema) == sorted(ckpt["model"])  # the weights and the BatchNorm buffers
+    assert not torch.equal(ema["fc.weight"], ckpt["model"]["fc.weight"])  # an average, not the weights
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["scored"] for m in metrics] == ["model_ema"] * 2
+    launch(["--evaluate", "--out-dir", out], nproc=2)
+    scored = read_json(out / "eval.json")
+    assert scored["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-9)  # the EMA, as the epoch scored it
+    # The EMA does not change training: the same run without it trains the same weights, and they score otherwise.
+    launch([*RUN, "--epochs", 2, "--out-dir", tmp_path / "raw"], nproc=2)
+    assert torch.equal(load_model_state(tmp_path / "raw")["model"]["fc.weight"], ckpt["model"]["fc.weight"])
+    assert read_jsonl(tmp_path / "raw" / "metrics.jsonl")[-1]["val_loss"] != pytest.approx(metrics[-1]["val_loss"])
+
+
+def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path):
+    plain = [*RUN, "--weight-decay", 0, "--momentum", 0, "--warmup-epochs", 0, "--lr-schedule", "constant"]
+    launch([*plain, "--clip-grad-norm", 1e-6, "--out-dir", tmp_path / "tiny"], torchrun=False)
+    launch([*plain, "--out-dir", tmp_path / "free"], torchrun=False)
+    torch.manual_seed(0)  # build_training's initial weights
+    from model import WideResNet
+    start = WideResNet(10, 1, num_classes=100, in_channels=3).state_dict()
+    lr, steps = 0.1 * 32 / 128, 20
+    for name, tensor in load_model_state(tmp_path / "tiny")["model"].items():
+        if name.endswith(("weight", "bias")) and "running" not in name:
+            assert (tensor - start[name]).abs().max() <= lr * steps * 1e-6 * 1.01, name  # each step moves <= lr x 1e-6
+    moved = max((t - start[n]).abs().max() for n, t in load_model_state(tmp_path / "free")["model"].items()
+                if n.endswith(("weight", "bias")))
+    assert moved > 1e-3
+    norms = {}
+    for amp in ("off", "fp16"):
+        launch([*RUN, "--clip-grad-norm", 1e9, "--amp", amp, "--out-dir", tmp_path / amp], torchrun=False)
+        norms[amp] = read_jsonl(tmp_path / amp / "metrics.jsonl")[0]
+    assert norms["off"]["grad_norm"] > 0 and norms["off"]["nonfinite_grad_steps"] == 0
+    # fp16's gradients are scaled by 2^16 or so until unscaled: the same norm only if clipping unscales first.
+    assert norms["fp16"]["grad_norm"] == pytest.approx(norms["off"]["grad_norm"], rel=0.2)
+
+
+def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(tmp_path):
+    out = tmp_path / "run"
+    proc = launch([*RUN, "--epochs", 3, "--val-size", 64, "--out-dir", out], nproc=2)
+    assert "Data: 576 training and 64 test images" in proc.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["train_samples"] for m in metrics] == [576] * 3  # the 64 held out are never trained on
+    assert all(m["val_count"] == 64 and m["test_count"] == 64 for m in metrics)
+    assert proc.stdout.count("Test Loss: ") == 3
+    accs = [m["val_acc"] for m in metrics]
+    best = accs.index(max(accs))  # the first of equals
+    best_ckpt = torch.load(out / "best.pt", map_location="cpu", weights_only=True)
+    assert best_ckpt["progress"]["epoch"] == best + 1
+    summary = read_json(out / "summary.json")
+    assert summary["final_test_acc"] == metrics[-1]["test_acc"]
+    assert summary["best_val_epoch"] == best + 1 and summary["test_acc_at_best_val"] == metrics[best]["test_acc"]
+    assert summary["best_val_acc"] == max(accs)
+    # Early stopping follows the validation split: a target it reaches at epoch 1 ends the run there.
+    early = launch([*RUN, "--epochs", 3, "--val-size", 64, "--target-accuracy", 0.0, "--patience", 1,
+                    "--out-dir", tmp_path / "early"], nproc=2)
+    assert "Early stopping after epoch 1" in early.stdout
+
+
+def test_without_val_size_the_test_set_is_the_original_script_s_validation(tmp_path):
+    launch([*RUN, "--out-dir", tmp_path / "run"], nproc=2)
+    metrics, summary = read_jsonl(tmp_path / "run" / "metrics.jsonl"), read_json(tmp_path / "run" / "summary.json")
+    assert "test_acc" not in metrics[0] and metrics[0]["val_count"] == 64
+    assert summary["final_test_acc"] == summary["final_val_acc"] == metrics[-1]["val_acc"]
+    assert not (tmp_path / "run" / "best.pt").exists()
+
+
+def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_path):
+    first = tmp_path / "first"
+    launch([*RUN, "--model-ema", "--out-dir", first], nproc=2)
+    still = [*RUN, "--base-lr", 1e-12, "--weight-decay", 0]  # training that leaves the weights where they start
+    second = launch([*still, "--init-from", first / "checkpoint.pt", "--out-dir", tmp_path / "second"], nproc=2)
+    assert f"Initialised from the weight EMA in {first}/checkpoint.pt" in second.stdout
+    ema = {k.removeprefix("module."): v for k, v in load_model_state(first)["model_ema"].items() if k != "n_averaged"}
+    for name, tensor in load_model_state(tmp_path / "second")["model"].items():
+        if name.endswith(("weight", "bias")) and "running" not in name:
+            assert torch.allclose(tensor, ema[name], atol=1e-9), name
+    torch.save({"conv1.weight": torch.zeros(16, 1, 3, 3)}, tmp_path / "gray.pt")
+    refused = launch([*RUN, "--init-from", tmp_path / "gray.pt", "--out-dir", tmp_path / "third"], nproc=2, check=False)
+    assert refused.returncode != 0
+    assert_one_line(refused.stderr, "--init-from", "gray.pt: layer conv1.weight is (16, 1, 3, 3), the model's (16, 3, 3, 3)")
+    assert not (tmp_path / "third" / "checkpoint.pt").exists()
+
+
+def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_otherwise_goes_on(tmp_path):
+    out = tmp_path / "run"
+    launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out], nproc=2)
+    before = load_model_state(out)
+    for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
+                         (["--mixup-alpha", 0.2, "--model-ema"], "--model-ema True differs from the False"),
+                         (["--mixup-alpha", 0.2, "--val-size", 64], "--val-size 64 differs from the 0")):
+        proc = launch([*RUN, "--epochs", 2, *change, "--out-dir", out], nproc=2, check=False)
+        assert proc.returncode != 0
+        assert_one_line(proc.stderr, says)
+        assert_same_state(load_model_state(out), before)  # the checkpoint kept
+    resumed = launch([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out], nproc=2)
+    assert "resumed with changes: --tta False -> True" not in resumed.stdout and "Epoch 2/2 completed" in resumed.stdout

@@ -1,0 +1,176 @@
+"""The modern recipe's pieces in-process (transforms.py, dataset_utils.hold_out, the EMA's decay, --init-from's
+reading): TrivialAugmentWide and random erasing the same bits per image alone or in a batch, on both loaders;
+mixup/cutmix the same for W ranks x A micro-steps as for W x A ranks; the held-out split disjoint and fixed.
+The entry point's behaviours (resume, ranks x micro-steps, best.pt, ...) are in tests/e2e/test_modern_recipe.py."""
+import argparse
+
+import pytest
+import torch
+
+import dataset_utils as du
+import transforms
+import train_utils
+from machinery.checkpoints import load_initial_weights
+from machinery.errors import UserError
+from machinery.launch import DistEnv
+from model import WideResNet
+
+AUGMENT = dict(auto_augment="ta_wide", random_erase=0.5, mixup_alpha=0.0, cutmix_alpha=0.0)
+
+
+def random_images(n, channels=3, size=(20, 24), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, channels, *size), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_each_image_is_augmented_the_same_alone_as_in_any_batch(channels):
+    x = random_images(96, channels)
+    h = transforms.mix64(3, 2, torch.arange(96))
+    augment = transforms.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5, fill=(128,) * channels)
+    whole = augment(x, h)
+    assert torch.equal(whole, torch.cat([augment(x[i:i + 1], h[i:i + 1]) for i in range(96)]))
+    assert torch.equal(whole[10:50], augment(x[10:50], h[10:50]))
+    assert (whole != x).any(dim=(1, 2, 3)).float().mean() > 0.5  # most images changed
+
+
+def test_every_trivial_augment_op_is_drawn_and_identity_changes_nothing():
+    x = random_images(3000, 3, (16, 16))
+    h = transforms.mix64(0, 1, torch.arange(3000))
+    out = transforms.Augment((3, 16, 16), auto_augment="ta_wide")(x, h)
+    op = transforms._bits(transforms.mix64(transforms._SALT_TA, 0, h), 0, 16) % len(transforms.TA_WIDE)
+    counts = torch.bincount(op, minlength=len(transforms.TA_WIDE))
+    assert counts.min() > 150  # 3000 / 14 = 214 each
+    names = [t[0] for t in transforms.TA_WIDE]
+    assert torch.equal(out[op == names.index("identity")], x[op == names.index("identity")])
+    for name in ("shear_x", "rotate", "brightness", "posterize", "solarize", "equalize"):
+        assert (out[op == names.index(name)] != x[op == names.index(name)]).any()
+
+
+def test_random_erasing_fills_one_box_of_the_fill_colour_with_its_probability():
+    x = torch.full((4000, 3, 32, 32), 7, dtype=torch.uint8)
+    h = transforms.mix64(1, 1, torch.arange(4000))
+    out = transforms.Augment((3, 32, 32), random_erase=0.25, fill=(100, 110, 120))(x, h)
+    erased = (out != 7).any(dim=1)  # (N, H, W)
+    hit = erased.any(dim=(1, 2))
+    assert 0.22 < hit.float().mean() < 0.28
+    for i in hit.nonzero().flatten()[:50].tolist():  # a box: its rows x its columns, in the fill colour
+        rows, cols = erased[i].any(dim=1), erased[i].any(dim=0)
+        assert torch.equal(erased[i], rows[:, None] & cols[None, :])
+        assert out[i, :, rows.nonzero()[0], cols.nonzero()[0]].flatten().tolist() == [100, 110, 120]
+        assert 0.02 * 1024 * 0.5 < erased[i].sum() <= 0.34 * 1024 * 1.2
+
+
+def test_both_loaders_give_the_same_augmented_batches():
+    data = du.ImageData(random_images(40), torch.arange(40) % 10)
+    spec = du.measure_data(data, data)
+    common = dict(batch_size=8, rank=1, world_size=2, accum_steps=1, eval_batch=8, seed=5, workers=0, pin_memory=False,
+                  augment={**AUGMENT, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}, spec=spec)
+    (torch_train, _), (dev_train, _) = (du.build_loaders(data, data, **common),
+                                        du.build_loaders(data, data, **common, device=torch.device("cpu")))
+    for loader in (torch_train, dev_train):
+        loader.batch_sampler.set_epoch(3, start=8)
+    batches = list(zip(torch_train, dev_train))
+    assert len(batches) == 4
+    for (a, la), (b, lb) in batches:
+        assert torch.equal(a, b) and torch.equal(la, lb)
+        assert la.shape == (4, 10) and torch.allclose(la.sum(1), torch.ones(4))
+
+
+def mixed_steps(world_size, accum, position=64):
+    """Rank r's micro-batches of one global step of 8, mixed, for W ranks x A micro-steps: keyed by virtual rank."""
+    images = random_images(8, 3, (8, 8))
+    labels = torch.arange(8)
+    out = {}
+    for rank in range(world_size):
+        micro = du.deal_step(8, rank, world_size, accum)
+        mix = transforms.Mix(mixup_alpha=0.4, cutmix_alpha=1.0, num_classes=8, seed=2, rank=rank,
+                             world_size=world_size)
+        idx = torch.tensor([i for m in micro for i in m])
+        x, t = mix(images[idx], labels[idx], epoch=4, position=position, micro_sizes=[len(m) for m in micro])
+        start = 0
+        for k, m in enumerate(micro):
+            out[rank + k * world_size] = (x[start:start + len(m)], t[start:start + len(m)])
+            start += len(m)
+    return out
+
+
+def test_mixup_and_cutmix_mix_each_virtual_rank_alike_for_any_ranks_x_micro_steps():
+    reference = mixed_steps(4, 1)
+    for world_size, accum in ((2, 2), (1, 4)):
+        got = mixed_steps(world_size, accum)
+        assert sorted(got) == sorted(reference)
+        for v in reference:
+            assert torch.equal(got[v][0], reference[v][0]) and torch.equal(got[v][1], reference[v][1])
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference.values(), mixed_steps(4, 1, 72).values()))
+    for _, targets in reference.values():  # soft targets: two classes, summing to 1
+        assert torch.allclose(targets.sum(1), torch.ones(len(targets)))
+        assert ((targets > 0).sum(1) <= 2).all()
+
+
+def test_the_validation_split_is_held_out_the_same_whatever_the_seed_and_never_trained():
+    data = du.ImageData(random_images(50, 1, (4, 4)), torch.arange(50))
+    train, val = du.hold_out(data, 12)
+    again, val_again = du.hold_out(data, 12)
+    assert len(val) == 12 and len(train) == 38
+    assert torch.equal(val.labels, val_again.labels) and torch.equal(train.labels, again.labels)
+    assert not set(train.labels.tolist()) & set(val.labels.tolist())
+    assert sorted(train.labels.tolist() + val.labels.tolist()) == list(range(50))
+    with pytest.raises(UserError, match="--val-size 50 leaves no training samples"):
+        du.hold_out(data, 50)
+
+
+def test_ema_decay_is_per_reference_batch_so_its_horizon_in_samples_keeps_with_the_batch():
+    env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    import config
+    for batch, expect in ((128, 0.99), (512, 0.99 ** 4), (64, 0.99 ** 0.5)):
+        args = config.get_args_parser().parse_args(["--batch-size", str(batch), "--reference-batch-size", "128",
+                                                    "--model-ema-decay", "0.99"])
+        assert train_utils.make_config(args, env).ema_decay == pytest.approx(expect)
+
+
+def small_wrn(classes, channels=3, width=1):
+    torch.manual_seed(1)
+    return WideResNet(10, width, num_classes=classes, in_channels=channels)
+
+
+def test_init_from_keeps_every_layer_and_starts_another_head_afresh(tmp_path):
+    source = small_wrn(10)
+    torch.save({"module." + k: v for k, v in source.state_dict().items()}, tmp_path / "ddp.pt")  # DDP-prefixed
+    model = small_wrn(100)
+    torch.manual_seed(9)
+    model.fc.reset_parameters()
+    fresh_head = model.fc.weight.detach().clone()
+    line = load_initial_weights(model, str(tmp_path / "ddp.pt"))
+    assert "classifier head fc (10 classes) is re-initialised for this model's 100 classes" in line
+    for key, tensor in model.state_dict().items():
+        if key.startswith("fc."):
+            continue
+        assert torch.equal(tensor, source.state_dict()[key]), key
+    assert torch.equal(model.fc.weight, fresh_head)
+
+
+def test_init_from_refuses_another_layer_naming_it(tmp_path):
+    torch.save(small_wrn(10, channels=1).state_dict(), tmp_path / "gray.pt")
+    with pytest.raises(UserError, match=r"--init-from .*gray.pt: layer \S+ is \(16, 1, 3, 3\), the model's \(16, 3, 3, 3\)"):
+        load_initial_weights(small_wrn(10), str(tmp_path / "gray.pt"))
+    torch.save(small_wrn(10, width=2).state_dict(), tmp_path / "wide.pt")
+    with pytest.raises(UserError, match=r"--init-from .*wide.pt: its tensor \S+ has no place in this model"):
+        load_initial_weights(small_wrn(10), str(tmp_path / "wide.pt"))
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(UserError, match="does not load as a checkpoint or a state_dict"):
+        load_initial_weights(small_wrn(10), str(tmp_path / "junk.pt"))
+    with pytest.raises(UserError, match="no such file"):
+        load_initial_weights(small_wrn(10), str(tmp_path / "absent.pt"))
+
+
+def test_recipe_flags_are_checked_in_one_line():
+    from machinery.cli import check_recipe_args
+    good = dict(model_ema_decay=0.999, clip_grad_norm=None, norm_weight_decay=None, random_erase=0.0, mixup_alpha=0.0,
+                cutmix_alpha=0.0, val_size=0)
+    check_recipe_args(argparse.Namespace(**good))
+    for change, says in ((dict(model_ema_decay=1.0), "--model-ema-decay"), (dict(clip_grad_norm=0.0), "--clip-grad-norm"),
+                         (dict(random_erase=1.5), "--random-erase"), (dict(mixup_alpha=-1.0), "--mixup-alpha"),
+                         (dict(val_size=-2), "--val-size"), (dict(norm_weight_decay=-1.0), "--norm-weight-decay")):
+        with pytest.raises(UserError, match=says):
+            check_recipe_args(argparse.Namespace(**{**good, **change}))
