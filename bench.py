@@ -93,6 +93,8 @@ def get_args_parser():
                    help="--cpu-checks: rounds of the loop-overhead check, one step of each loop per round")
     p.add_argument("--profile", action="store_true", help="--cpu-checks: also profile a few steps of each loop "
                    "(torch.profiler) and print where their time goes")
+    p.add_argument("--augment-share", action="store_true", help="the modern recipe's augmentation (TrivialAugment, "
+                   "random erasing, mixup/cutmix): the step with and without it, and its loader alone, on both loaders")
     p.add_argument("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
     return p
 
@@ -310,6 +312,49 @@ def bench_ours(args, env, cfg, checked: du.CheckedData, data: du.ImageData) -> d
             "steps": args.steps, "warmup": args.warmup, "accum_steps": accum, "phases": phases,
             "augment_epoch_s": aug_epoch_s, "augment_epoch_images": len(data.labels), "flops_per_image": flops,
             "peak_memory_gib": peak_memory}
+
+
+# ----------------------------------------------------------------------------- the modern recipe's augmentation
+
+MODERN_AUGMENT = dict(auto_augment="ta_wide", random_erase=0.25, mixup_alpha=0.2, cutmix_alpha=1.0)
+
+
+def augment_share(args, env, data: du.ImageData) -> dict:
+    """On each loader (the device's, and DataLoader workers), the recipe's step (train_one_epoch) with and without
+    MODERN_AUGMENT, --steps after --warmup, and the loader alone over the same steps (its batches, no training):
+    the augmentation's cost per step, and its share of the step with it."""
+    timer, rows = Timer(env.device), {}
+    for loader in ("gpu", "torch"):
+        row = {}
+        for name, flags in (("plain", {}), ("modern", MODERN_AUGMENT)):
+            cfg = recipe_config(args, env, loader=loader, **flags)
+            checked = bench_data(args, cfg, env, data)
+            training = train_ddp.build_training(cfg, env, checked)
+            loop = TrainSteps(wrap(training.model, args, env, args.compile), training, cfg)
+            loop.run(args.warmup)
+            start = timer.mark()
+            loop.run(args.steps)
+            step_s = timer.seconds(start, timer.mark()) / args.steps
+            batches = training.train_loader
+            batches.batch_sampler.set_epoch(1)
+            start, n = timer.mark(), 0
+            for images, labels in batches:
+                images.to(env.device, non_blocking=True), labels.to(env.device, non_blocking=True)
+                n += 1
+            row[name] = {"step_s": step_s, "loader_s": timer.seconds(start, timer.mark()) / max(n, 1)}
+        modern, plain = row["modern"], row["plain"]
+        row["augment_s"] = modern["loader_s"] - plain["loader_s"]  # the loader's extra time per step
+        row["augment_share"] = row["augment_s"] / modern["step_s"]
+        row["step_ratio"] = modern["step_s"] / plain["step_s"]
+        rows[loader] = row
+        log(f"--loader {loader}: step {plain['step_s'] * 1e3:.1f} ms plain, {modern['step_s'] * 1e3:.1f} ms with "
+            f"the modern augmentation ({row['step_ratio']:.2f}x); its loader alone {plain['loader_s'] * 1e3:.1f} -> "
+            f"{modern['loader_s'] * 1e3:.1f} ms a step: the augmentation is {row['augment_share'] * 100:.1f}% of "
+            f"the step")
+    return {"augment": MODERN_AUGMENT, "what": "per step: the recipe's train_one_epoch with and without the "
+            "augmentation, and the training loader alone (its batches copied to the device, no training); "
+            "augment_share: the loader's extra time over the step with it (on GPUs the device loader's ops queue "
+            "behind the step, so the step ratio is the cost that counts)", **rows}
 
 
 # ----------------------------------------------------------------------------- the original script's pipeline
@@ -623,7 +668,9 @@ def main(args):
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
                   "amp_dtype": str(cfg.amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
-        if args.cpu_checks:
+        if args.augment_share:
+            result["augment_share"] = augment_share(args, env, du.make_synthetic(50_000, train=True))
+        elif args.cpu_checks:
             log(f"cpu checks: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size}, {args.rounds} rounds "
                 f"(about two minutes on 2 cores with the defaults)")
             t0 = time.perf_counter()

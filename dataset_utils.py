@@ -435,8 +435,8 @@ class ImageDataset(Dataset):
     """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
     label) whose items the loader's workers read; a sample that does not read as one of the split's shape
     comes as a BadSample. With `augment`, items are keyed (epoch, index) and get crop_flip with
-    hash(seed, epoch, index), then `extra` (transforms.Augment) with the same hash: the same for any number of
-    ranks or workers. `split`: "training" or "test"."""
+    hash(seed, epoch, index); with `extra` (transforms.Augment), items carry that hash, and _collate applies
+    `extra` to the batch: the same for any number of ranks or workers. `split`: "training" or "test"."""
 
     def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
         self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
@@ -464,8 +464,8 @@ class ImageDataset(Dataset):
             return image, label
         h = mix64(self.seed, epoch, idx)
         image = crop_flip(image, h, self.pad)
-        if self.extra is not None and self.extra.active:  # transforms.Augment, on a batch of one: as the device's
-            image = self.extra(image[None], torch.tensor([_signed(h)]))[0]
+        if self.extra is not None and self.extra.active:  # transforms.Augment comes in the collate, on the batch
+            return image, label, _signed(h)
         return image, label
 
 
@@ -594,13 +594,17 @@ def data_device(loader: str, device: torch.device, *splits):
     return device if in_memory and (loader == "gpu" or (loader == "auto" and device.type == "cuda")) else None
 
 
-def _collate(shape, batch):
+def _collate(shape, batch, extra=None):
     """(images, labels, unreadable): default_collate of the samples that read, empty tensors if none did (or a
-    rank has nothing left in the last step), and the BadSamples in their slots."""
+    rank has nothing left in the last step), and the BadSamples in their slots. Items that carry their hash
+    (ImageDataset with `extra`) get `extra` (transforms.Augment) here, batched: the same bits as one by one."""
     unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if isinstance(b, BadSample)]
     good = [b for b in batch if not isinstance(b, BadSample)]
     if not good:
         return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), unreadable
+    if len(good[0]) == 3:
+        images, labels, hashes = default_collate(good)
+        return extra(images, hashes), labels, unreadable
     return (*default_collate(good), unreadable)
 
 
@@ -637,7 +641,8 @@ def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, a
     # A private generator: a DataLoader otherwise draws its workers' seeds from the global RNG when
     # it starts an epoch, which would make dropout depend on whether the run was resumed.
     dataset = ImageDataset(train, augment=True, seed=seed, extra=extra)
-    train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, dataset.image_shape),
+    collate = functools.partial(_collate, dataset.image_shape, extra=extra)
+    train_loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
                               **_loader_options(workers, pin_memory, seed))
     return AgreedLoader(train_loader, limit=skip_bad_samples, mix=mix), *loaders
 

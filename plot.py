@@ -1,6 +1,7 @@
 """Plots from run directories and benchmark results, as PNG files (needs matplotlib: pip install -e '.[plot]').
 
-    python plot.py runs/wrn runs/other --out runs/plots  # loss, accuracy and throughput per epoch
+    python plot.py runs/wrn runs/other --out runs/plots  # loss, accuracy and throughput per epoch, and the LR
+    python plot.py runs/sweep/*-seed* --out runs/plots   # NAME-seedN: each configuration's mean, with a band
     python plot.py --scaling bench-results/*.json --out runs/plots  # img/s and efficiency against GPUs
 
 SIGTERM and Ctrl-C stop it at once: one line on stderr, exit status 128 + the signal's number (143, 130).
@@ -8,6 +9,7 @@ SIGTERM and Ctrl-C stop it at once: one line on stderr, exit status 128 + the si
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -33,26 +35,57 @@ def read_metrics(run_dir: str) -> list:
     return rows
 
 
+SEED_SUFFIX = re.compile(r"[-_]seed\d+$")  # runs named NAME-seed0, NAME-seed1, ... are one configuration
+
+
+def group_runs(run_dirs: list) -> dict:
+    """{configuration: [(run name, metrics)]}: runs whose names differ only in a -seedN suffix form one."""
+    groups = {}
+    for d in run_dirs:
+        name = os.path.basename(os.path.normpath(d)) or d
+        groups.setdefault(SEED_SUFFIX.sub("", name), []).append((name, read_metrics(d)))
+    return groups
+
+
 def plot_runs(run_dirs: list, out_dir: str) -> dict:
-    """loss.png (train and validation loss), accuracy.png (top-1 and top-5), throughput.png:
-    one curve per run and quantity, against the epoch. Returns {file name: figure}."""
+    """loss.png (train and validation loss), accuracy.png (top-1 and top-5; with --val-size, the test set's
+    top-1 too), throughput.png: one colour per configuration, one line style per quantity, against the epoch,
+    and the LR in a panel below. Several seeds of one configuration (NAME-seed0, NAME-seed1, ...) are drawn as
+    their mean with a band from their minimum to their maximum. Returns {file name: figure}."""
     plt = _pyplot()
-    runs = {os.path.basename(os.path.normpath(d)) or d: read_metrics(d) for d in run_dirs}
-    panels = {"loss.png": ("loss", [("train_loss", "train"), ("val_loss", "validation")]),
-              "accuracy.png": ("validation accuracy", [("val_acc", "top-1"), ("val_top5", "top-5")]),
-              "throughput.png": ("training images/s", [("images_per_s", "")])}
+    groups = group_runs(run_dirs)
+    test_too = any("test_acc" in m[0] for runs in groups.values() for _, m in runs)
+    panels = {"loss.png": ("loss", [("train_loss", "train", "-"), ("val_loss", "validation", "--")]),
+              "accuracy.png": ("accuracy", [("val_acc", "top-1", "-"), ("val_top5", "top-5", ":")]
+                               + ([("test_acc", "test top-1", "-.")] if test_too else [])),
+              "throughput.png": ("training images/s", [("images_per_s", "", "-")])}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     figures = {}
     for name, (ylabel, keys) in panels.items():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run, metrics in runs.items():
-            epochs = [m["epoch"] for m in metrics]
-            for key, label in keys:
-                ax.plot(epochs, [m[key] for m in metrics], marker="o", label=f"{run} {label}".strip())
-        ax.set_xlabel("epoch")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+        for i, (config, runs) in enumerate(groups.items()):
+            colour = colours[i % len(colours)]
+            epochs = [m["epoch"] for m in runs[0][1]]
+            n = min(len(metrics) for _, metrics in runs)  # the epochs every seed has
+            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+            for key, label, style in keys:
+                if key not in runs[0][1][0]:
+                    continue
+                values = [[metrics[e][key] for _, metrics in runs] for e in range(n)]
+                mean = [sum(v) / len(v) for v in values]
+                ax.plot(epochs[:n], mean, linestyle=style, color=colour, marker="o" if n < 30 else None,
+                        markersize=3, label=f"{config} {label}{seeds}".strip())
+                if len(runs) > 1:
+                    ax.fill_between(epochs[:n], [min(v) for v in values], [max(v) for v in values], color=colour,
+                                    alpha=0.15, linewidth=0)
+            ax_lr.plot(epochs[:n], [runs[0][1][e]["lr"] for e in range(n)], color=colour)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
+        ax_lr.set_ylabel("LR (epoch's end)")
+        ax_lr.set_xlabel("epoch")
+        ax_lr.xaxis.get_major_locator().set_params(integer=True)
+        ax_lr.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=120)
         figures[name] = fig

@@ -14,9 +14,10 @@ from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line,
 # 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check (step 10).
 RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 1,
        "--base-lr", 0.1, "--reference-batch-size", 128, *TINY, "--device", "cpu"]
-# 2 ranks x 2 micro-steps against 1 rank x 4 (test_accumulation.py's run, one epoch: 5 steps of 64 and one of 45).
+# Each option's pair of runs: 2 ranks x 2 micro-steps of 16 (test_accumulation.py's run, one epoch: 5 steps of 64 and
+# one of 45), stopped at step 3 and resumed, against the same uninterrupted, and against 1 rank x 4 micro-steps.
 ACCUM = ["--dataset", "synthetic", "--train-size", 365, "--test-size", 50, "--batch-size", 64, "--epochs", 1,
-         "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, "--loader", "gpu", *TINY, "--device", "cpu"]
+         "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
 
 OPTIONS = {
     "model-ema": ["--model-ema", "--model-ema-decay", 0.9],
@@ -55,15 +56,30 @@ def without_timings(metrics):
     return [{k: v for k, v in m.items() if k not in TIMING_METRICS} for m in metrics]
 
 
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """two_by_two(name): the out-dir of the uninterrupted 2 ranks x 2 micro-steps run with that option, and its
+    flags; each once per module (both tests below compare with it)."""
+    base, done = tmp_path_factory.mktemp("modern"), {}
+
+    def run(name):
+        if name not in done:
+            flags = [*ACCUM, *options(name, base)]
+            launch([*flags, "--out-dir", base / name], nproc=2)
+            done[name] = (base / name, flags)
+        return done[name]
+    return run
+
+
 @pytest.mark.parametrize("name", OPTIONS)
-def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, tmp_path):
-    flags = [*RUN, *options(name, tmp_path)]
-    reference, out, stop_file = tmp_path / "reference", tmp_path / "run", tmp_path / "stop"
-    launch([*flags, "--out-dir", reference], nproc=2)
-    stop_file.touch()
-    first = launch([*flags, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
-    assert first.returncode != 0 and "in epoch 1 after step 10" in first.stdout, first.stdout + first.stderr
-    assert load_model_state(out)["progress"]["position"] == 320
+def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, two_by_two, tmp_path):
+    reference, flags = two_by_two(name)
+    out, stop_file = tmp_path / "run", tmp_path / "stop"
+    stop_file.touch()  # seen at the first check: --checkpoint-every 3 makes step 3 one
+    first = launch([*flags, "--checkpoint-every", 3, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)},
+                   check=False)
+    assert first.returncode != 0 and "in epoch 1 after step 3" in first.stdout, first.stdout + first.stderr
+    assert load_model_state(out)["progress"]["position"] == 192
     stop_file.unlink()
     second = launch([*flags, "--out-dir", out], nproc=2)
     assert "Resumed from" in second.stdout and "Initialised from" not in second.stdout
@@ -72,15 +88,14 @@ def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, tmp_
 
 
 @pytest.mark.parametrize("name", OPTIONS)
-def test_each_option_trains_the_same_on_2_ranks_x_2_micro_steps_as_on_1_x_4(name, tmp_path):
-    flags = [*ACCUM, *options(name, tmp_path)]
-    launch([*flags, "--out-dir", tmp_path / "w2"], nproc=2)
+def test_each_option_trains_the_same_on_2_ranks_x_2_micro_steps_as_on_1_x_4(name, two_by_two, tmp_path):
+    reference, flags = two_by_two(name)
     launch([*flags, "--out-dir", tmp_path / "w1"], nproc=1)
-    a, b = load_model_state(tmp_path / "w2"), load_model_state(tmp_path / "w1")
+    a, b = load_model_state(reference), load_model_state(tmp_path / "w1")
     assert_close_models(a, b)
     if "model_ema" in a:
         assert_close_models({"model": a["model_ema"]}, {"model": b["model_ema"]})
-    m2, m1 = read_jsonl(tmp_path / "w2" / "metrics.jsonl"), read_jsonl(tmp_path / "w1" / "metrics.jsonl")
+    m2, m1 = read_jsonl(reference / "metrics.jsonl"), read_jsonl(tmp_path / "w1" / "metrics.jsonl")
     assert m2[0]["train_samples"] == m1[0]["train_samples"]
     assert m2[0]["train_loss"] == pytest.approx(m1[0]["train_loss"], rel=1e-4)
     assert m2[0]["val_loss"] == pytest.approx(m1[0]["val_loss"], rel=1e-4)

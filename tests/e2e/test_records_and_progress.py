@@ -65,6 +65,24 @@ def test_plot_draws_loss_accuracy_and_throughput_per_epoch_for_each_run(two_runs
     assert labels == ["first train", "first validation", "second train", "second validation"]
 
 
+def test_plot_draws_the_seeds_of_one_configuration_as_their_mean_with_a_band_and_the_lr_below(two_runs, tmp_path):
+    require_package("matplotlib")
+    import plot
+    first, second, _ = two_runs
+    for i, run in enumerate((first, second)):  # two seeds of one configuration
+        (tmp_path / f"cfg-seed{i}").mkdir()
+        (tmp_path / f"cfg-seed{i}" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
+    figures = plot.plot_runs([str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1")], str(tmp_path))
+    ax, ax_lr = figures["loss.png"].axes
+    rows = [read_jsonl(run / "metrics.jsonl") for run in (first, second)]
+    train, val = ax.get_lines()
+    assert train.get_label() == "cfg train (2 seeds)" and val.get_linestyle() == "--"
+    assert train.get_color() == val.get_color()  # one colour per configuration, a style per quantity
+    assert list(train.get_ydata()) == [pytest.approx((a["train_loss"] + b["train_loss"]) / 2) for a, b in zip(*rows)]
+    assert len(ax.collections) == 2  # a band (min to max over the seeds) per quantity
+    assert list(ax_lr.get_lines()[0].get_ydata()) == [m["lr"] for m in rows[0]]
+
+
 def test_tensorboard_logs_every_epoch_metric_as_a_scalar(tmp_path):
     """--tensorboard: each epoch's row of metrics.jsonl, as scalars TensorBoard reads back at that epoch."""
     require_package("tensorboard")
