@@ -43,8 +43,9 @@ def model_config(cfg, data) -> dict:
 
 
 def load_data(cfg, env, train: bool = True):
-    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data in
-    memory, or Datasets of (uint8 C x H x W tensor, label); train: None if not asked for (see measure_data)."""
+    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
+    that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
+    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
     # ADAPT (2/2): your data here.
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
@@ -88,7 +89,9 @@ def build_training(cfg, env, data) -> Training:
     # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each
     # rank its share of every global batch, a new order per epoch; unlike it, it pads nothing, deals micro-batches
     # as virtual ranks (accumulation trains as more GPUs would), starts mid-epoch. Test: rank r scores r, r + W, ...
-    augment = {k: cfg.flags[k] for k in ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha")}  # keyed too
+    # The modern recipe's augmentation (transforms.py) is keyed like the crop and flip: per sample on (seed, epoch,
+    # index), mixup/cutmix per micro-batch on its virtual rank; so it too trains alike for any ranks x micro-steps.
+    augment = {k: cfg.flags[k] for k in ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha")}
     train_loader, test_loader, *val_loader = dataset_utils.build_loaders(
         data.train, data.test, batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size,
         accum_steps=cfg.accumulation_steps, eval_batch=cfg.eval_batch, seed=cfg.seed, workers=cfg.num_workers,

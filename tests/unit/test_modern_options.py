@@ -174,3 +174,10 @@ def test_recipe_flags_are_checked_in_one_line():
                          (dict(val_size=-2), "--val-size"), (dict(norm_weight_decay=-1.0), "--norm-weight-decay")):
         with pytest.raises(UserError, match=says):
             check_recipe_args(argparse.Namespace(**{**good, **change}))
+
+
+def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():
+    from machinery.checkpoints import is_best_epoch
+    accs = [0.2, 0.5, 0.4, 0.5, 0.7, 0.6]
+    history = [{"val_acc": a} for a in accs]
+    assert [is_best_epoch(history[:k + 1]) for k in range(len(accs))] == [True, True, False, False, True, False]
