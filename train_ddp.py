@@ -288,10 +288,12 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model)
     checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")  # what it scores, if any
     progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
-    model = training.ema.module if training.ema is not None and training.ema.n_averaged else training.model
+    scores_ema = training.ema is not None and bool(training.ema.n_averaged)
+    model = training.ema.module if scores_ema else training.model
     model = torch.compile(model, dynamic=False) if cfg.compile else model
-    utils.log(f"Evaluating {found.path} ({found.describe_model()}, {progress.epoch} of {cfg.epochs} epochs "
-              f"trained) on {len(data.test)} test images with {env.world_size} processes")
+    utils.log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
+              f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with {env.world_size} "
+              f"processes")
     metrics = evaluate(model, training.test_loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
                        expected_count=len(data.test), tta=cfg.tta)
     utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path)  # eval.json
