@@ -212,7 +212,7 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
         dist.all_reduce(sums)  # sums, not means: exact whatever the shards' sizes
     loss_sum, top1, top5, count = sums.tolist()
     if int(count) != expected_count:
-        raise RuntimeError(f"evaluation scored {int(count)} images, but the test set has {expected_count}")
+        raise RuntimeError(f"evaluation scored {int(count)} images, but the split has {expected_count}")
     return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5 / count, "val_count": int(count)}
 
 

@@ -378,8 +378,8 @@ def log_epoch(metrics: dict, epochs: int) -> None:
         log("(scores of the weight EMA, --model-ema)")
     if "grad_norm" in metrics:
         skipped = metrics["nonfinite_grad_steps"]
-        log(f"Gradient norm before clipping: {metrics['grad_norm']:.3f} (mean over the epoch's steps"
-            f"{f'; {skipped} steps with a non-finite norm skipped' if skipped else ''})")
+        log(f"Gradient norm before clipping: {metrics['grad_norm']:.3f} (mean over the epoch's finite norms"
+            f"{f'; {skipped} steps had a non-finite norm (fp16: the scaler skipped them)' if skipped else ''})")
     if "peak_memory_gib" in metrics:  # CUDA
         ranks = metrics["rank_times"]
         top = max(ranks, key=lambda r: r["peak_memory_gib"])

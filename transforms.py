@@ -146,7 +146,8 @@ def trivial_augment(x: torch.Tensor, h: torch.Tensor, tables: dict) -> torch.Ten
     # Colour: blend with a degenerate image (black, grey, the mean grey, a blur) by factor/256.
     xi = x.int()
     gray = (xi if c != 3 else (2989 * xi[:, 0:1] + 5870 * xi[:, 1:2] + 1140 * xi[:, 2:3]) // 10000)
-    mean = (2 * gray.sum((1, 2, 3), keepdim=True) + height * width) // (2 * height * width)
+    area = gray.shape[1] * height * width  # the grey image's, or each channel's for 2 or 4 channels
+    mean = (2 * gray.sum((1, 2, 3), keepdim=True) + area) // (2 * area)
     padded = torch.nn.functional.pad(xi, (1, 1, 1, 1))
     around = sum(padded[:, :, dy:dy + height, dx:dx + width] for dy in range(3) for dx in range(3))
     blur = xi.clone()  # torchvision's 3x3 smoothing (centre weight 5 of 13), the border kept

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -114,6 +115,10 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
         # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
         flags["micro_batch"] = saved["micro_batch"] or saved["micro_batch_size"]
     model_flags = [k for k in ckpt["model_config"] if k in flags]  # the flags build_model's shapes follow
+    if "val_size" not in saved and flags.get("val_size") and not flags["evaluate"]:  # from before --val-size
+        raise UserError(f"--val-size {flags['val_size']} would hold out samples that the checkpoint in "
+                        f"{flags['out_dir']} trained on: leave --val-size out to continue it, or use another --out-dir "
+                        f"for a new run")
     for key in DATA_FLAGS + tuple(model_flags):
         if key in saved and key in flags and flags[key] != saved[key]:
             flag = "--" + key.replace("_", "-")
@@ -122,11 +127,14 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
                             f"{flags['out_dir']}, which trained other {what}: use another --out-dir for a new run, or "
                             f"{flag} {saved[key]} to continue it")
     for key in (RECIPE_FLAGS if not flags["evaluate"] else ()):
-        if key in saved and flags.get(key) != saved[key]:
+        # A checkpoint from before the option trained without it: any value that turns it on changes the run.
+        old = saved[key] if key in saved else (flags.get(key) if key == "model_ema_decay" else None)
+        if key in flags and flags[key] != old and (key in saved or flags[key]):
             flag = "--" + key.replace("_", "-")
-            raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} the checkpoint in {flags['out_dir']} "
-                            f"trained with: changed mid-run it would make the run another recipe; give {flag} "
-                            f"{saved[key]} to continue it, or use another --out-dir for a new run")
+            keep = f"leave {flag} out" if old in (None, False) else f"give {flag} {old}"
+            raise UserError(f"{flag} {flags[key]} differs from the {old} the checkpoint in {flags['out_dir']} "
+                            f"trained with: changed mid-run it would make the run another recipe; {keep} to "
+                            f"continue it, or use another --out-dir for a new run")
     if flags["evaluate"]:
         return flags, []
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in flags.items()
@@ -337,7 +345,7 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"--init-from {path} holds neither a checkpoint of this project nor a state_dict "
                         f"(a dict of tensors)")
-    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    state = {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}  # DDP's, compile's prefixes
     own = model.state_dict()
     heads = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     head = {f"{heads[-1]}.{k}" for k, _ in model.get_submodule(heads[-1]).named_parameters()} if heads else set()

@@ -119,9 +119,11 @@ def check_recipe_args(args) -> None:
     if not 0.0 < get("model_ema_decay", 0.5) < 1.0:
         raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
                         f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
-    for name in ("clip_grad_norm", "norm_weight_decay"):
-        if get(name) is not None and get(name) < 0 or (name == "clip_grad_norm" and get(name) == 0):
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {get(name)} (leave it out for none)")
+    if get("clip_grad_norm") is not None and get("clip_grad_norm") <= 0:
+        raise UserError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm} (leave it out for no clipping)")
+    if get("norm_weight_decay") is not None and get("norm_weight_decay") < 0:
+        raise UserError(f"--norm-weight-decay must not be negative, got {args.norm_weight_decay} (leave it out: "
+                        f"--weight-decay for all)")
     if not 0.0 <= get("random_erase", 0.0) <= 1.0:
         raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
     for name in ("mixup_alpha", "cutmix_alpha", "val_size"):

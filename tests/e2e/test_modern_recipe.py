@@ -196,7 +196,7 @@ def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_ot
     launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out], nproc=2)
     before = load_model_state(out)
     for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
-                         (["--mixup-alpha", 0.2, "--model-ema"], "--model-ema True differs from the False"),
+                         (["--mixup-alpha", 0.2, "--model-ema"], "--model-ema True differs from the False the checkpoint"),
                          (["--mixup-alpha", 0.2, "--val-size", 64], "--val-size 64 differs from the 0")):
         proc = launch([*RUN, "--epochs", 2, *change, "--out-dir", out], nproc=2, check=False)
         assert proc.returncode != 0

@@ -181,3 +181,20 @@ def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():
     accs = [0.2, 0.5, 0.4, 0.5, 0.7, 0.6]
     history = [{"val_acc": a} for a in accs]
     assert [is_best_epoch(history[:k + 1]) for k in range(len(accs))] == [True, True, False, False, True, False]
+
+
+@pytest.mark.parametrize("change, says", [
+    (["--mixup-alpha", "0.2"], "--mixup-alpha 0.2 differs from the None the checkpoint"),
+    (["--model-ema"], "leave --model-ema out to continue it"),
+    (["--val-size", "100"], "--val-size 100 would hold out samples that the checkpoint"),
+])
+def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_on(change, says):
+    import config
+    from machinery.checkpoints import RECIPE_FLAGS, checkpoint_flags
+    before = vars(config.get_args_parser().parse_args([]))
+    saved = {k: v for k, v in before.items() if k not in RECIPE_FLAGS + ("val_size", "tta", "init_from")}
+    ckpt = {"config": {**saved, "micro_batch_size": 512}, "model_config": {"depth": 16, "widen_factor": 8}}
+    flags, notes = checkpoint_flags(config.get_args_parser().parse_args(["--tta"]), {"tta"}, ckpt)  # may change
+    assert flags["tta"] and notes == []
+    with pytest.raises(UserError, match=says):
+        checkpoint_flags(config.get_args_parser().parse_args(change), set(), ckpt)
