@@ -33,7 +33,7 @@ from torchvision.datasets.utils import check_integrity, download_url, extract_ar
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.output import log
-from transforms import Augment, Mix, _signed, mix64  # noqa: F401 (mix64: the hash of the crop and flip)
+from transforms import Augment, Mix, _signed, mix64
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
 # environment points at a mirror instead (the md5 check still applies).
@@ -632,8 +632,9 @@ def build_loaders(train, test, *, batch_size: int, rank: int, world_size: int, a
                            accum_steps=accum_steps, seed=seed)
     augment = augment or {}
     image_shape = (spec.channels, spec.height, spec.width) if spec else None
-    extra = Augment(image_shape, auto_augment=augment.get("auto_augment"), random_erase=augment.get("random_erase", 0.0),
-                    fill=tuple(round(255 * m) for m in spec.mean)) if spec and augment else None
+    extra = (Augment(image_shape, auto_augment=augment.get("auto_augment"),
+                     random_erase=augment.get("random_erase", 0.0), fill=tuple(round(255 * m) for m in spec.mean))
+             if spec and augment else None)
     mix = Mix(mixup_alpha=augment.get("mixup_alpha", 0.0), cutmix_alpha=augment.get("cutmix_alpha", 0.0),
               num_classes=spec.num_classes if spec else 0, seed=seed, rank=rank, world_size=world_size)
     if device is not None:
@@ -701,14 +702,11 @@ class AgreedLoader:
             raise UserError(f"load_data's {type(self.loader.dataset.data).__name__} cannot be sent to the DataLoader "
                             f"workers ({str(e).splitlines()[0]}): define its class at the top level of a module, not "
                             f"inside a function, or use --workers 0") from None
-        sampler = self.batch_sampler
         for step, (images, labels, unreadable) in enumerate(batches):
             self.gaps = unreadable
             self.found += unreadable
-            if self.mix is not None and self.mix.active:  # mixup/cutmix within each micro-batch: soft targets
-                position = sampler.start + step * sampler.batch_size
-                images, labels = self.mix(images, labels, epoch=sampler.epoch, position=position,
-                                          micro_sizes=self.step_split(position)[1])
+            if self.mix is not None and self.mix.active:
+                images, labels = mix_step(self, step, images, labels)
             yield images, labels
         self.check()
 
@@ -788,11 +786,18 @@ class DeviceLoader:
             images, labels = crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
             if self.extra is not None:  # TrivialAugment, random erasing: the same hash, batched
                 images = self.extra(images, hs)
-            if self.mix is not None and self.mix.active:  # mixup/cutmix within each micro-batch: soft targets
-                position = self.sampler.start + step * self.sampler.batch_size
-                images, labels = self.mix(images, labels, epoch=self.sampler.epoch, position=position,
-                                          micro_sizes=self.step_split(position)[1])
+            if self.mix is not None and self.mix.active:
+                images, labels = mix_step(self, step, images, labels)
             yield images, labels
+
+
+def mix_step(loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """The training loader's (AgreedLoader's or DeviceLoader's) `step`-th batch of this pass through its
+    transforms.Mix: mixup/cutmix within each micro-batch (step_split's, unread samples left out), soft targets."""
+    sampler = loader.batch_sampler
+    position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
+    _, micro_sizes = loader.step_split(position)
+    return loader.mix(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
 
 
 class Normalize(torch.nn.Module):

@@ -71,7 +71,7 @@ class Augment:
     def __init__(self, image_shape: tuple, *, auto_augment: str | None = None, random_erase: float = 0.0,
                  fill: tuple = (0,)):
         channels, height, width = image_shape
-        self.auto_augment, self.random_erase, self.shape = auto_augment, random_erase, (height, width)
+        self.auto_augment, self.random_erase = auto_augment, random_erase
         self.tables = {"fill": torch.tensor(fill, dtype=torch.uint8).view(1, -1, 1, 1).expand(1, channels, 1, 1)}
         if auto_augment:
             self.tables.update(_ta_tables(height, width))

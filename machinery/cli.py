@@ -114,21 +114,20 @@ def check_args(args, world_size: int, device: torch.device) -> None:
 
 
 def check_recipe_args(args) -> None:
-    """The modern recipe's flags (those this parser has)."""
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    if not 0.0 < get("model_ema_decay", 0.5) < 1.0:
+    """The modern recipe's flags."""
+    if not 0.0 < args.model_ema_decay < 1.0:
         raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
                         f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
-    if get("clip_grad_norm") is not None and get("clip_grad_norm") <= 0:
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
         raise UserError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm} (leave it out for no clipping)")
-    if get("norm_weight_decay") is not None and get("norm_weight_decay") < 0:
+    if args.norm_weight_decay is not None and args.norm_weight_decay < 0:
         raise UserError(f"--norm-weight-decay must not be negative, got {args.norm_weight_decay} (leave it out: "
                         f"--weight-decay for all)")
-    if not 0.0 <= get("random_erase", 0.0) <= 1.0:
+    if not 0.0 <= args.random_erase <= 1.0:
         raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
     for name in ("mixup_alpha", "cutmix_alpha", "val_size"):
-        if get(name, 0) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {get(name)} (0: off)")
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)} (0: off)")
 
 
 def refuse_flags(parser, message: str):
