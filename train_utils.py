@@ -306,8 +306,10 @@ class Checkpoint:
 
     def check_room(self) -> None:
         """Refuse to start when the out-dir has no room for the next checkpoint, sized by what it will hold
-        (an optimizer's state included before its first step). Rank 0 checks; every rank raises."""
-        call_and_agree(check_room, self.cfg.out_dir, self.objects(), here=self.env.is_main)
+        (an optimizer's state included before its first step), and best.pt beside it with --val-size. Rank 0
+        checks; every rank raises."""
+        copies = 2 if self.cfg.flags.get("val_size") else 1
+        call_and_agree(check_room, self.cfg.out_dir, self.objects(), copies=copies, here=self.env.is_main)
 
     def save(self, progress: Progress) -> None:
         """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes, unless

@@ -120,6 +120,8 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
                         f"{flags['out_dir']} trained on: leave --val-size out to continue it, or use another --out-dir "
                         f"for a new run")
     for key in DATA_FLAGS + tuple(model_flags):
+        if flags["evaluate"] and key == "test_size":  # it only chooses what --evaluate scores
+            continue
         if key in saved and key in flags and flags[key] != saved[key]:
             flag = "--" + key.replace("_", "-")
             what = "data" if key in DATA_FLAGS else "model"
@@ -235,6 +237,8 @@ def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
                         f"it trained on")
     saved = found.ckpt["data"]
     for split, fp in fingerprints.items():
+        if split == "test" and found.flags.get("test_size") != found.ckpt["config"]["test_size"]:
+            continue  # --evaluate --test-size N scores another share of the test set, on purpose
         if saved[split] != fp:
             raise UserError(f"the {split} data in --data-dir {data_dir} differ from those the checkpoint in "
                             f"{out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
@@ -255,15 +259,16 @@ def describe_model(cfg: dict) -> str:
     return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
 
 
-def check_room(out_dir: str, objects: dict) -> None:
-    """Refuse to start when out_dir has no room for one more checkpoint of `objects` (name -> an object
-    with state_dict(): what a checkpoint holds): a run that cannot save would train until its first
-    checkpoint for nothing, and a restart after a full disk would do so again and again."""
-    need = sum(state_bytes(obj) for obj in objects.values())
+def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
+    """Refuse to start when out_dir has no room for `copies` more checkpoints of `objects` (name -> an
+    object with state_dict(): what a checkpoint holds; 2 where an epoch's end may also write best.pt): a
+    run that cannot save would train until its first checkpoint for nothing, and a restart after a full
+    disk would do so again and again."""
+    need = copies * sum(state_bytes(obj) for obj in objects.values())
     free = shutil.disk_usage(out_dir).free
     if free < need:
         raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
-                                                f"a checkpoint of about {need / 2**20:.1f} MiB "
+                                                f"{'a checkpoint' if copies == 1 else f'{copies} checkpoints'} of about {need / 2**20:.1f} MiB "
                                                 f"({free / 2**20:.1f} MiB free)", out_dir))
 
 

@@ -65,7 +65,7 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
         assert r["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
 
 
-def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_the_out_dir(tmp_path):
+def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_the_out_dir_or_test_size(tmp_path):
     out = tmp_path / "run"
     # 3 ranks, 2 test images: rank 2 scores nothing. A DDP forward in evaluation would wait for it forever.
     run = [*TINY_SYNTH, "--train-size", 60, "--test-size", 2, "--batch-size", 6, "--epochs", 1, "--timeout", 60]
@@ -82,6 +82,11 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert result["val_count"] == 2 and result["epoch"] == 1 and result["world_size"] == 4
     assert result["val_acc"] == read_jsonl(out / "metrics.jsonl")[0]["val_acc"]
     assert "Validation Accuracy: " in proc.stdout
+    # --test-size chooses what --evaluate scores (a longer share of the test set, say); training may not change it.
+    launch(["--evaluate", "--out-dir", out, "--test-size", 5], torchrun=False)
+    assert read_json(out / "eval.json")["val_count"] == 5
+    refused = launch([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5], torchrun=False, check=False)
+    assert refused.returncode != 0 and "--test-size 5 differs from the 2 of the checkpoint" in refused.stdout + refused.stderr
 
 
 def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path):

@@ -6,6 +6,7 @@ that lacks only optional state an option added later resumes, saying what stands
 room check sizes the optimizer's real state."""
 import copy
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,21 @@ def test_the_room_check_sizes_the_optimizer_s_real_state_before_its_first_step(o
     model(torch.randn(4, 100)).sum().backward()
     opt.step()
     assert before == state_bytes(opt)  # measured after the first step: the same
+
+
+@pytest.mark.parametrize("val_size, copies", [(0, 1), (16, 2)])
+def test_the_room_check_counts_best_pt_beside_the_checkpoint_with_a_validation_split(tmp_path, monkeypatch,
+                                                                                     val_size, copies):
+    """With --val-size an epoch's end may write best.pt and checkpoint.pt: room for both is needed to start."""
+    cfg, env, data, training = build_run(tmp_path, ["--val-size", str(val_size)])
+    checkpoint = registry(cfg, env, data, training)
+    one = sum(state_bytes(obj) for obj in checkpoint.objects().values())
+    free = {"bytes": copies * one}
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * one, 0, free["bytes"]))
+    checkpoint.check_room()  # exactly enough
+    free["bytes"] -= 1
+    with pytest.raises(UserError, match="no space left on device"):
+        checkpoint.check_room()
 
 
 @pytest.mark.parametrize("missing", ["config.data_spec", "config.accumulation_steps", "config.micro_batch_size",
