@@ -286,7 +286,12 @@ def hold_out(train, size: int) -> tuple:
     if isinstance(train, ImageData):
         return (replace(train, images=train.images[kept], labels=train.labels[kept]),
                 replace(train, images=train.images[held], labels=train.labels[held]))
-    return Subset(train, kept.tolist()), Subset(train, held.tolist())
+    return Share(train, kept.tolist()), Share(train, held.tolist())
+
+
+class Share(Subset):
+    """A share of a split load_data returned (hold_out): an unreadable sample in it is named by its index
+    in that split, the one the user knows (BadSample)."""
 
 
 def check_split(split, name: str) -> tuple:
@@ -324,7 +329,7 @@ def first_readable(split, name: str, tries: int = 10) -> tuple:
         try:
             return split[i], i
         except Exception as e:  # noqa: BLE001 - any failure to read is said, with where it was raised
-            error = BadSample(name, i, sample_file(split, i), describe_exception(e))
+            error = bad_sample(split, i, name, describe_exception(e))
     raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; the first: "
                     f"{error.describe()}")
 
@@ -482,7 +487,18 @@ class BadSample:
     slot: int = -1
 
     def describe(self) -> str:
-        return f"{self.split} sample {self.index}{f' ({self.file})' if self.file else ''}: {self.reason}"
+        notes = [self.file] * bool(self.file) + ["held out for validation"] * (self.split == "validation")
+        split = "training" if self.split == "validation" else self.split
+        notes = f" ({', '.join(notes)})" if notes else ""
+        return f"{split} sample {self.index}{notes}: {self.reason}"
+
+
+def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
+    """The BadSample for sample `idx` of `data`: named by its index in load_data's split and by its file."""
+    index = idx
+    while isinstance(data, Share):
+        data, index = data.dataset, data.indices[index]
+    return BadSample(split, index, sample_file(data, index), reason, **fix)
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):
@@ -492,15 +508,15 @@ def read_sample(data, idx: int, split: str, shape: tuple | None = None):
     try:
         image, label = data[idx]
     except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
-        return BadSample(split, idx, sample_file(data, idx), describe_exception(e))
+        return bad_sample(data, idx, split, describe_exception(e))
     if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
                                   and tuple(image.shape) == shape):
         got = (" x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
                if isinstance(image, torch.Tensor) else type(image).__name__)
         want = " x ".join(map(str, shape))
-        return BadSample(split, idx, sample_file(data, idx), f"an image of {got}, not {want} uint8 like the first",
-                         fix=f"make every image {want} in load_data (e.g. transform=v2.Compose([v2.PILToTensor(), "
-                             f"v2.Resize(({shape[1]}, {shape[2]}))]))")
+        return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first",
+                          fix=f"make every image {want} in load_data (e.g. transform=v2.Compose([v2.PILToTensor(), "
+                              f"v2.Resize(({shape[1]}, {shape[2]}))]))")
     return image, label
 
 
@@ -732,9 +748,9 @@ def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
     new = sorted((bad for mine in all_gather(list(found)) for bad in mine), key=lambda bad: (bad.split, bad.index))
     found.clear()
     first = new[0]
-    if first.split == "test":
-        raise UserError(f"{first.describe()}; {first.fix} (the test set is scored whole: --skip-bad-samples skips "
-                        f"training samples only)")
+    if first.split != "training":
+        raise UserError(f"{first.describe()}; {first.fix} (the {first.split} set is scored whole: --skip-bad-samples "
+                        f"skips the samples trained on only)")
     if not limit:
         raise UserError(f"{first.describe()}; {first.fix}, or skip such samples with --skip-bad-samples N")
     over = len(skipped) + len(new) > limit

@@ -1,10 +1,12 @@
 """A sample the loader cannot take comes as a BadSample naming its split, index, file and cause, in its
 slot of the rank's batch, which then lacks it: the micro-batches shrink where it was, and the step's other
 samples train as before."""
+import pytest
 import torch
 from torch.utils.data import Dataset, Subset
 
 import dataset_utils as du
+from machinery.errors import UserError
 
 
 class Files(Dataset):
@@ -32,6 +34,22 @@ def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_su
     assert bad.file == "/data/cls/3.png" and bad.reason == "an image of 3 x 9 x 8 uint8, not 3 x 8 x 8 uint8 like the first"
     assert "v2.Resize((8, 8))" in bad.fix
     assert du.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
+
+
+def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_split_and_never_skipped():
+    for size in range(1, 6):  # sample 2 lands in either share, at some position
+        kept, held = du.hold_out(Files(), size)
+        share, split = (held, "validation") if 2 in held.indices else (kept, "training")
+        bad = du.read_sample(share, share.indices.index(2), split, (3, 8, 8))
+        assert (bad.index, bad.file) == (2, "/data/cls/2.png")
+        if split == "validation":
+            assert bad.describe().startswith("training sample 2 (/data/cls/2.png, held out for validation): OSError")
+            with pytest.raises(UserError, match="the validation set is scored whole: --skip-bad-samples skips"):
+                du.check_unreadable([bad], skipped=[], limit=0)
+        else:
+            skipped = []
+            du.check_unreadable([bad], skipped=skipped, limit=1)  # a sample trained on: skipped
+            assert skipped[0].startswith("training sample 2 (/data/cls/2.png)")
 
 
 def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink():
