@@ -267,9 +267,10 @@ def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
     need = copies * sum(state_bytes(obj) for obj in objects.values())
     free = shutil.disk_usage(out_dir).free
     if free < need:
+        what = "a checkpoint" if copies == 1 else f"{copies} checkpoints"
         raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
-                                                f"{'a checkpoint' if copies == 1 else f'{copies} checkpoints'} of about {need / 2**20:.1f} MiB "
-                                                f"({free / 2**20:.1f} MiB free)", out_dir))
+                                                f"{what} of about {need / 2**20:.1f} MiB ({free / 2**20:.1f} MiB free)",
+                                                out_dir))
 
 
 def state_bytes(obj) -> int:
