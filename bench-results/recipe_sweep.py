@@ -94,6 +94,20 @@ def score_whole_test_set(script: str, out: str, env: dict, tta: bool = False) ->
     return result["val_acc"]
 
 
+def summarise(accs: list) -> str:
+    sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+    return f"{statistics.mean(accs):.2f} ± {sd:.2f} ({min(accs):.2f}-{max(accs):.2f})"
+
+
+def compare(accs: list, base: list | None) -> str:
+    """The difference of the means, its standard error (Welch's, from both spreads) and their ratio, Welch's t."""
+    if not base or accs is base or len(accs) < 2 or len(base) < 2:
+        return ""
+    diff = statistics.mean(accs) - statistics.mean(base)
+    se = (statistics.variance(accs) / len(accs) + statistics.variance(base) / len(base)) ** 0.5
+    return f"{diff:+.2f} ± {se:.2f} (t = {diff / se:.1f})"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/sweep", help="one out-dir per run below this")
@@ -142,14 +156,14 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"regime": args.regime, "base": REGIMES[args.regime], "threads": args.threads,
-                   "scored_on": "all 10,000 test images, final weights", "runs": rows}, f, indent=1)
-    print("\n| configuration | flags | test accuracy, mean ± sd (min-max) | seeds | time per run |\n|---|---|---|---|---|")
+                       "scored_on": "all 10,000 test images, final weights", "runs": rows}, f, indent=1)
+    print("\n| configuration | flags | test accuracy, mean ± sd (min-max) | seeds | against the baseline | time per run |"
+          "\n|---|---|---|---|---|---|")
+    accs = {name: [r["final_test_acc"] * 100 for r in rows if r["config"] == name] for name in configs}
     for name, flags in configs.items():
-        accs = [r["final_test_acc"] * 100 for r in rows if r["config"] == name]
         times = [r["total_time_s"] for r in rows if r["config"] == name]
-        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        print(f"| {name} | `{' '.join(flags) or '(none)'}` | {statistics.mean(accs):.2f} ± {sd:.2f} "
-              f"({min(accs):.2f}-{max(accs):.2f}) | {len(accs)} | {statistics.mean(times):.0f} s |")
+        print(f"| {name} | `{' '.join(flags) or '(none)'}` | {summarise(accs[name])} | {len(accs[name])} | "
+              f"{compare(accs[name], accs.get('baseline'))} | {statistics.mean(times):.0f} s |")
     return 0
 
 
