@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,7 +137,7 @@ def test_the_room_check_counts_best_pt_beside_the_checkpoint_with_a_validation_s
     checkpoint = registry(cfg, env, data, training)
     one = sum(state_bytes(obj) for obj in checkpoint.objects().values())
     free = {"bytes": copies * one}
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * one, 0, free["bytes"]))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10 * one, used=0, free=free["bytes"]))
     checkpoint.check_room()  # exactly enough
     free["bytes"] -= 1
     with pytest.raises(UserError, match="no space left on device"):

@@ -37,19 +37,17 @@ def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_su
 
 
 def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_split_and_never_skipped():
-    for size in range(1, 6):  # sample 2 lands in either share, at some position
-        kept, held = du.hold_out(Files(), size)
-        share, split = (held, "validation") if 2 in held.indices else (kept, "training")
-        bad = du.read_sample(share, share.indices.index(2), split, (3, 8, 8))
-        assert (bad.index, bad.file) == (2, "/data/cls/2.png")
-        if split == "validation":
-            assert bad.describe().startswith("training sample 2 (/data/cls/2.png, held out for validation): OSError")
-            with pytest.raises(UserError, match="the validation set is scored whole: --skip-bad-samples skips"):
-                du.check_unreadable([bad], skipped=[], limit=0)
-        else:
-            skipped = []
-            du.check_unreadable([bad], skipped=skipped, limit=1)  # a sample trained on: skipped
-            assert skipped[0].startswith("training sample 2 (/data/cls/2.png)")
+    kept, held = du.hold_out(Files(), 1)
+    assert held.indices == [2] and kept.indices == [0, 1, 3, 4, 5]  # the fixed permutation holds sample 2 out
+    bad = du.read_sample(held, 0, "validation", (3, 8, 8))
+    assert (bad.index, bad.file) == (2, "/data/cls/2.png")
+    assert bad.describe().startswith("training sample 2 (/data/cls/2.png, held out for validation): OSError")
+    with pytest.raises(UserError, match="the validation set is scored whole: --skip-bad-samples skips"):
+        du.check_unreadable([bad], skipped=[], limit=1)
+    other = du.read_sample(kept, 2, "training", (3, 8, 8))  # sample 3, another size, trained on: skipped
+    skipped = []
+    du.check_unreadable([other], skipped=skipped, limit=1)
+    assert skipped[0].startswith("training sample 3 (/data/cls/3.png): an image of 3 x 9 x 8")
 
 
 def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink():
