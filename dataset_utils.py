@@ -487,10 +487,11 @@ class BadSample:
     slot: int = -1
 
     def describe(self) -> str:
-        notes = [self.file] * bool(self.file) + ["held out for validation"] * (self.split == "validation")
-        split = "training" if self.split == "validation" else self.split
-        notes = f" ({', '.join(notes)})" if notes else ""
-        return f"{split} sample {self.index}{notes}: {self.reason}"
+        split, notes = self.split, [self.file] if self.file else []
+        if split == "validation":  # a training sample that --val-size held out
+            split, notes = "training", notes + ["held out for validation"]
+        where = f" ({', '.join(notes)})" if notes else ""
+        return f"{split} sample {self.index}{where}: {self.reason}"
 
 
 def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
