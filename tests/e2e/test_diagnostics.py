@@ -57,7 +57,9 @@ def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, t
     for row in rows:  # every epoch: rank 1 named, its cause data
         assert row["slow_rank"].startswith("rank 1 on ") and row["slow_rank"].endswith("of its step waiting for data")
         slow, fast = row["rank_times"][1], row["rank_times"][0]
-        assert slow["data_s"] > 3 * fast["data_s"] and fast["sync_s"] > slow["sync_s"]  # the fast one waits for it
+        # Its data time the larger, and the fast rank the one that waits: orderings, not a ratio of two measured
+        # times (on 2 cores the fast rank's own loading takes time too, by how much depends on the machine).
+        assert slow["data_s"] > fast["data_s"] and fast["sync_s"] > slow["sync_s"]
     lines = [line for line in proc.stdout.splitlines() if "held the others back" in line]
     assert len(lines) == 2 and all(line.startswith("warning: one rank held the others back: rank 1 on ")
                                    for line in lines)
