@@ -18,7 +18,6 @@ import numbers
 import os
 import pickle
 import re
-import signal
 import socket
 import tempfile
 import traceback
@@ -33,6 +32,7 @@ from torchvision.datasets.utils import check_integrity, download_url, extract_ar
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.output import log
+from machinery.signals import deaf_to_stop_signals, stop_signals_held
 from transforms import Augment, Mix, _signed, mix64
 
 # The official archive, exactly as torchvision downloads and verifies it. CIFAR100_URL in the
@@ -682,14 +682,8 @@ def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
     in about one two-rank run in 30 for the test loader, and once in a CI run for the training loader), so they
     are spawned, once per run (they persist), not forked; a Dataset must then be defined at a module's top level."""
     return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
-                generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_ctrl_c if workers else None,
+                generator=torch.Generator().manual_seed(seed), worker_init_fn=deaf_to_stop_signals if workers else None,
                 multiprocessing_context="spawn" if workers else None)
-
-
-def _ignore_ctrl_c(worker_id: int) -> None:
-    """Ctrl-C reaches the loader workers too (one process group); the main process turns it into a
-    checkpointed stop, which needs them alive until then."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class AgreedLoader:
@@ -712,7 +706,8 @@ class AgreedLoader:
 
     def __iter__(self):
         try:
-            batches = iter(self.loader)  # starts the workers (once: they persist), which get the Dataset pickled
+            with stop_signals_held():  # a stop signal sent to every process reaches the rank alone (signals.py)
+                batches = iter(self.loader)  # starts the workers (once: they persist), which get the Dataset pickled
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             if "pickle" not in str(e):
                 raise

@@ -3,7 +3,7 @@
 #   job_summary      what Slurm granted, printed at the start of the log (print_recipe: the recipe)
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
 #   NPROC, MASTER_ADDR, MASTER_PORT   ranks per node, and where torchrun's ranks meet
-#   run_requeueable  run the training, turn Slurm's warning signal into a checkpoint, and requeue
+#   run_requeueable  run the training; Slurm's signals checkpoint it, then USR1 requeues and TERM ends the job
 # shellcheck shell=bash disable=SC2034  # LAUNCH, NPROC, MASTER_* are used by the scripts that source this
 
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -119,11 +119,23 @@ flight_recorder() {
 export DDP_STOP_FILE="$PROJECT_DIR/.ddp-stop-${SLURM_JOB_ID:-local}"
 rm -f "$DDP_STOP_FILE"
 
-# Run "$@" in the background so this shell can take Slurm's signals: USR1 (the time-limit warning
-# asked for with --signal=B:USR1@...) or TERM (scancel, preemption). On either, ask the ranks to
-# checkpoint; once they have stopped, requeue the job, which then resumes from the checkpoint.
+# torchrun dies of a SIGUSR1 unless told to forward it to the ranks as it forwards TERM and INT (torch >= 2.9 reads
+# this; older ones ignore it). It matters where Slurm signals every process of a step: --signal=USR1@N without B:.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
+
+# Run "$@" in the background so that this shell can take Slurm's signals; on either, ask the ranks to checkpoint
+# and stop (the stop file: the ranks on every node and in a container see it), then:
+#   USR1, the time-limit warning the scripts ask for (--signal=B:USR1@180): requeue the job, which resumes.
+#   TERM, sent to every process of the job by scancel, by the time limit itself and by a preemption (then KILL after
+#        KillWait, or GraceTime for a preemption): end the job. A cancel is the user's word; a preemption with
+#        PreemptMode=REQUEUE is requeued by Slurm itself. Submitting the same command again resumes.
+# A TERM after a USR1 (the time limit reached before the stop) ends the job too.
+STOP_SIGNAL=""
 run_requeueable() {
-    trap 'echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop"; touch "$DDP_STOP_FILE"' USR1 TERM
+    trap 'STOP_SIGNAL=${STOP_SIGNAL:-USR1}; touch "$DDP_STOP_FILE"
+          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop (USR1, the time-limit warning: the job then requeues itself)"' USR1
+    trap 'STOP_SIGNAL=TERM; touch "$DDP_STOP_FILE"
+          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop (TERM: scancel, the time limit or a preemption: the job then ends)"' TERM
     "$@" &
     local pid=$! status=0
     # `wait` returns early whenever a trapped signal arrives: keep waiting until the run has ended.
@@ -133,7 +145,13 @@ run_requeueable() {
     if [[ -e "$DDP_STOP_FILE" && $status -ne 0 ]]; then
         rm -f "$DDP_STOP_FILE"
         echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
-             "$status, so its FAILED lines in the .err file are expected); requeueing job $SLURM_JOB_ID to resume"
+             "$status, so its FAILED lines in the .err file are expected)"
+        if [[ "$STOP_SIGNAL" == TERM ]]; then
+            echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a preempted" \
+                 "job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
+            exit "$status"
+        fi
+        echo "=== requeueing job $SLURM_JOB_ID to resume"
         scontrol requeue "$SLURM_JOB_ID" && exit 0
         echo "=== requeue failed (is JobRequeue allowed here?); resubmit this job to resume" >&2
     fi

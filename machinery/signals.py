@@ -1,5 +1,6 @@
 """Signals: the training loop's checkpointed stop (StopRequest: SIGUSR1, SIGTERM, Ctrl-C, the stop
-file), and the tools' immediate one-line exit on SIGTERM and Ctrl-C (catch_stop_signals)."""
+file), the loader workers that must outlive it (deaf_to_stop_signals), and the tools' immediate one-line
+exit on SIGTERM and Ctrl-C (catch_stop_signals)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,9 @@ from machinery.output import say
 
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
+# What asks a run to checkpoint and stop: Slurm's time-limit warning (USR1, as the job scripts ask for it), scancel,
+# the time limit and preemption (TERM), Ctrl-C (INT).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class StopRequest:
@@ -25,7 +29,7 @@ class StopRequest:
     scripts create when their shell is signalled, as that reaches every rank on every node, in a
     container too). Ranks agree in `check`."""
 
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    SIGNALS = STOP_SIGNALS
     exit_status = EXIT_STOPPED  # of a run stopped on request, checkpointed: run it again (requeue) to resume
 
     def __init__(self):
@@ -88,6 +92,34 @@ class StopRequest:
             raise UserError("the training loss became NaN or infinite, so training stopped before saving "
                             "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
         return bool(stop)
+
+
+# ---------------------------------------------------------------- the loader workers
+# Slurm (scancel, the time limit, preemption), `timeout`, container runtimes and a terminal send their signal to
+# every process of a run, the DataLoader workers included. A worker killed by it takes its rank down with
+# "DataLoader worker ... is killed by signal" before the rank can checkpoint; so the workers ignore the stop
+# signals (the rank stops them once it has saved), and are started with the signals held back, so that one
+# sent while a worker starts up is neither fatal to it nor lost to the rank.
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Around the start of worker processes: the stop signals held back from this thread (any other thread of
+    the process takes them, or they wait for the block's end); the workers are born holding them too, until
+    deaf_to_stop_signals."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def deaf_to_stop_signals(worker_id: int = 0) -> None:
+    """A loader worker's first act (its worker_init_fn): ignore the stop signals, then let them through (the
+    ones that came while it started up are discarded)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 # ---------------------------------------------------------------- the tools' SIGTERM and Ctrl-C
@@ -170,9 +202,9 @@ def exit_stopped(signum: int, flush: bool = True) -> None:
         os.write(2, f"{os.path.basename(sys.argv[0])}: {rank}stopped by {signal.Signals(signum).name}\n".encode())
         mp = sys.modules.get("multiprocessing")  # DataLoader workers still up would outlive this process by seconds
         children = mp.active_children() if mp else []
-        for child in children:
+        for child in children:  # SIGKILL: the loader workers ignore SIGTERM (deaf_to_stop_signals)
             with contextlib.suppress(Exception):
-                child.terminate()
+                child.kill()
         for child in children:  # gone before we are, so nothing of ours outlives the exit line
             with contextlib.suppress(Exception):
                 child.join(timeout=1.0)

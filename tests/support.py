@@ -199,6 +199,24 @@ def launcher_and_ranks(proc):
                                                         text=True).stdout.split()]
 
 
+def every_process(proc):
+    """The pids of a launcher start() started and of every process below it (ranks, loader workers, resource
+    trackers): what Slurm, `timeout` or a container runtime signal when they end a run."""
+    children = {}
+    for stat in os.listdir("/proc"):
+        if stat.isdigit():
+            try:
+                with open(f"/proc/{stat}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(stat))
+            except (OSError, IndexError):
+                continue
+    pids, todo = [], [proc.pid]
+    while todo:
+        pids.append(todo.pop())
+        todo += children.get(pids[-1], [])
+    return pids
+
+
 @contextlib.contextmanager
 def paused(pids):
     """The processes `pids` (a training's launcher and ranks) stopped (SIGSTOP) while the block runs: what the

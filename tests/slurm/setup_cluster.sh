@@ -226,7 +226,9 @@ JobRequeue=1
 ReturnToService=2
 # Keep finished jobs visible to scontrol for 5 min (no accounting/sacct here).
 MinJobAge=300
-KillWait=5
+# Slurm's default: the time between the TERM of a cancel or the time limit and the KILL, in which the ranks
+# checkpoint (jobs/README.md).
+KillWait=30
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=60
