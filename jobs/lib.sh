@@ -144,8 +144,13 @@ run_requeueable() {
     trap - USR1 TERM
     if [[ -e "$DDP_STOP_FILE" && $status -ne 0 ]]; then
         rm -f "$DDP_STOP_FILE"
-        echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
-             "$status, so its FAILED lines in the .err file are expected)"
+        if [[ $status == 75 || $status == 1 ]]; then  # srun passes the ranks' 75 on; torchrun reports it as 1
+            echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
+                 "$status, so its FAILED lines in the .err file are expected)"
+        else
+            echo "=== $(date -Is): the run ended with status $status before it could checkpoint (signalled while" \
+                 "starting, before training): the last checkpoint, if any, is intact"
+        fi
         if [[ "$STOP_SIGNAL" == TERM ]]; then
             echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a preempted" \
                  "job itself where PreemptMode=REQUEUE): to resume, submit the same command again"

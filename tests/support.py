@@ -227,7 +227,8 @@ def paused(pids):
         yield
     finally:
         for pid in pids:
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # gone meanwhile: Slurm's kill sends its own SIGCONT
+                os.kill(pid, signal.SIGCONT)
 
 
 def wait_for(predicate, timeout=120, what="condition"):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import ROOT, TINY, fill, job_recipe, launch, load_model_state, paused, read_json, read_jsonl
+from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch, load_model_state, paused, read_json,
+                     read_jsonl)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -223,32 +224,101 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     assert load_model_state(seen / "run")["progress"]["epoch"] == 1
 
 
-def test_preempted_job_checkpoints_requeues_and_resumes_to_the_same_weights(slurm, tmp_path):
-    train = [*TRAIN[:2], "--train-size", 1536, *TRAIN[4:], "--dropout", 0.1]
+# The runs Slurm's signals stop: 48 steps of 32 per epoch, dropout, and a loader worker per rank (Slurm signals
+# the workers too); and what each must end with: the same training uninterrupted, here (the job's recipe, then these).
+SIGNAL_TRAIN = [*TRAIN[:2], "--train-size", 1536, *TRAIN[4:], "--dropout", 0.1, "--workers", 1, "--log-every", 5]
+TRAINING = "step 5/"  # the ranks are in the training loop, where a stop signal is a checkpointed stop
+
+
+@pytest.fixture(scope="module")
+def signal_reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("signal_reference") / "run"
+    launch([*job_recipe(), *SIGNAL_TRAIN, "--out-dir", out], nproc=2)
+    return load_model_state(out)
+
+
+def wait_for_text(log, line, timeout=300):
+    """Wait until the log holds `line`, whatever the job's state (a cancelled job's shell still writes)."""
+    deadline = time.time() + timeout
+    while line not in read(log):
+        assert time.time() < deadline, read(log)
+        time.sleep(0.2)
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_weights(slurm, tmp_path, signal_reference):
     out = tmp_path / "run"
-    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*train, "--out-dir", out])
-    wait_for_line(job, log, "Global batch")  # the ranks have met; training is about to start
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*SIGNAL_TRAIN, "--out-dir", out])
+    wait_for_line(job, log, TRAINING)
     # The signal must land before training ends, however fast this machine is: the training is paused
     # until the job's shell has taken it.
     with paused(training_pids(out, log)):
-        # Slurm's time-limit warning (--signal=B:USR1@180) or a preemption notice, sent by hand.
+        # Slurm's time-limit warning (--signal=B:USR1@180), sent by hand.
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-        wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop")
+        wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1, the time-limit warning")
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text = read(log)
-    assert "signal received: asking the ranks to checkpoint and stop" in text
     assert "Stop requested (stop file" in text and "exiting with status 75" in text
     assert f"requeueing job {job}" in text and "(restart 1)" in text
     # Said as a stop, not a crash: the ranks' 75, torchrun's own status, and that its FAILED lines are expected.
     assert "the run stopped on request, checkpointed (the ranks exit 75; the launcher reports 1, so its FAILED" in text
     assert "Resumed from" in text and "Training completed successfully." in text
     assert not [f for f in os.listdir(ROOT) if f.startswith(".ddp-stop-")]  # the stop file is cleaned up
+    assert_same_weights(out, signal_reference)
 
-    reference = tmp_path / "reference"
-    launch([*job_recipe(), *train, "--out-dir", reference], nproc=2)  # what the job ran: its recipe, then ours
-    a, b = load_model_state(out), load_model_state(reference)
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+
+def assert_ended_with_a_checkpoint(job, log, out, state):
+    """The job ended in `state` for good, not requeued, its ranks stopped on SIGTERM with a mid-epoch checkpoint,
+    and its log says how to resume; nothing of the loader workers' death."""
+    assert wait_job(job, log) == state, read(log)
+    text = read(log)
+    assert "signal received: asking the ranks to checkpoint and stop (TERM: scancel, the time limit" in text
+    assert "Stop requested (SIGTERM) in epoch 1 after step" in text and "requeueing" not in text
+    assert f"=== job {job} ends here" in text and "to resume, submit the same command again" in text
+    assert "DataLoader worker" not in text and "killed by signal" not in text
+    assert job_field(job, "Restarts") == "0" and "(restart 1)" not in text
+    progress = load_model_state(out)["progress"]
+    assert progress["epoch"] == 0 and 0 < progress["position"] < 1536, progress
+    assert not [f for f in os.listdir(ROOT) if f.startswith(f".ddp-stop-{job}")]
+
+
+def test_scancel_checkpoints_and_ends_the_job_and_the_same_command_resumes_to_the_same_weights(
+        slurm, tmp_path, signal_reference):
+    """scancel: SIGTERM to every process of the job (the batch shell, torchrun, the ranks, their loader workers),
+    then SIGKILL after KillWait. The cancel is the user's word: the job ends, with a checkpoint to resume from."""
+    out = tmp_path / "run"
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*SIGNAL_TRAIN, "--out-dir", out])
+    wait_for_line(job, log, TRAINING)
+    with paused(training_pids(out, log)):  # lands before training ends; Slurm sends SIGCONT with its TERM
+        subprocess.run(["scancel", job], check=True)
+        wait_for_text(log, "signal received")
+    assert_ended_with_a_checkpoint(job, log, out, "CANCELLED")
+    (again_dir := tmp_path / "again").mkdir()
+    again, again_log = sbatch("multigpu.sh", again_dir, ["--gpus=2"], [*SIGNAL_TRAIN, "--out-dir", out])
+    assert wait_job(again, again_log) == "COMPLETED", read(again_log)
+    assert "Resumed from" in read(again_log) and "Training completed successfully." in read(again_log)
+    assert_same_weights(out, signal_reference)
+
+
+def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command_resumes_to_the_same_weights(
+        slurm, tmp_path, signal_reference):
+    """srun_direct.sh with a one-minute limit and no warning signal (--signal=B:USR1@0): at the limit Slurm sends
+    SIGTERM to every process (the batch shell, srun, the tasks, their workers), then SIGKILL after KillWait. The
+    training is held (SIGSTOP) until then, so that the limit lands mid-epoch however fast the machine."""
+    out = tmp_path / "run"
+    limit = ["--ntasks-per-node=2", "--gpus-per-task=1", "--time=1", "--signal=B:USR1@0"]
+    train = [*SIGNAL_TRAIN, "--timeout", 600, "--out-dir", out]  # the ranks are held longer than TINY's --timeout
+    threads = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it for the reference's ranks: the same sums, the same bits
+    job, log = sbatch("srun_direct.sh", tmp_path, limit, train, env=threads)
+    wait_for_line(job, log, TRAINING)
+    with paused(training_pids(out, log)):
+        wait_for_text(log, "signal received")  # a minute, and up to Slurm's 30 s check of the limits
+    assert "DUE TO TIME LIMIT" in read(log)
+    assert_ended_with_a_checkpoint(job, log, out, "TIMEOUT")
+    (again_dir := tmp_path / "again").mkdir()
+    again, again_log = sbatch("srun_direct.sh", again_dir, limit, train, env=threads)
+    assert wait_job(again, again_log) == "COMPLETED", read(again_log)
+    assert "Resumed from" in read(again_log) and "Training completed successfully." in read(again_log)
+    assert_same_weights(out, signal_reference)
 
 
 def test_preflight_job_checks_both_nodes(slurm, tmp_path):
