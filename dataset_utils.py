@@ -23,10 +23,14 @@ import tempfile
 import traceback
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
-from torchvision.datasets import CIFAR100
+from torchvision.datasets import CIFAR100, ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+from torchvision.transforms.functional import pil_to_tensor
 from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
 from machinery.checkpoints import check_same_data
@@ -72,6 +76,7 @@ class DataSpec:
     num_classes: int
     mean: tuple
     std: tuple
+    classes: tuple | None = None  # the classes' names, index by index, where the training split names them
 
     def shape(self) -> dict:
         """What the model's shapes follow: an image's channels, height and width, and the classes."""
@@ -194,6 +199,85 @@ def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
     return ImageData(images, labels, num_classes=CIFAR100_CLASSES)
 
 
+# ----------------------------------------------------------------------------- image folders, as users have them
+
+
+def folder_classes(root) -> list:
+    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, those that start with
+    "." left out (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same."""
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot read the image folder {root} ({e.strerror}): --data-dir must hold train/ and "
+                        f"test/, each with one folder of images per class") from None
+    if not names:
+        raise UserError(f"the image folder {root} holds no class folders: it needs one folder of images per class, "
+                        f"{root}/<class>/<image>")
+    return names
+
+
+def image_folder(root, classes: list | None = None, mode: str = "RGB") -> "ImageFolderSplit":
+    """A split of image files, root/<class>/<image> (PNG, JPEG, ...): ImageFolderSplit."""
+    return ImageFolderSplit(str(root), classes=classes, mode=mode)
+
+
+class ImageFolderSplit(ImageFolder):
+    """torchvision's ImageFolder, yielding (uint8 C x H x W tensor, label), for folders as users have them:
+    - names that start with "." are left out, said in one line: a Mac's ._ files (AppleDouble metadata beside
+      each file, which a tar or copy made on a Mac carries), .DS_Store, a notebook's .ipynb_checkpoints;
+    - `classes` (folder_classes of the training folder) numbers the labels, so that a test folder that lacks a
+      class (none of its images yet) shifts no other; a class folder not in it, or one that holds no image,
+      is refused in one line naming it;
+    - each image is read as it looks: turned by its EXIF orientation, 16-bit ones scaled to 8 bits (PIL's
+      convert would clip them white), then converted to `mode`: "RGB" (3 channels) or "L" (1)."""
+
+    def __init__(self, root: str, classes: list | None = None, mode: str = "RGB"):
+        self.given_classes, self.hidden = classes, []
+        super().__init__(root, transform=pil_to_tensor, loader=functools.partial(read_image, mode=mode),
+                         is_valid_file=self.is_visible_image, allow_empty=True)
+        counts = torch.bincount(torch.as_tensor(self.targets, dtype=torch.int64), minlength=len(self.classes))
+        empty = [c for c, n in zip(self.classes, counts.tolist()) if n == 0 and os.path.isdir(os.path.join(root, c))]
+        if empty:  # a class folder that exists holds images: else a wrong extension, or no permission to read it
+            unreadable = not os.access(os.path.join(root, empty[0]), os.R_OK | os.X_OK)
+            why = "cannot be read (permission denied)" if unreadable else f"holds no image file ({' '.join(IMG_EXTENSIONS)})"
+            raise UserError(f"the class folder {os.path.join(root, empty[0])} {why}"
+                            + (f", nor do {', '.join(empty[1:3])}{' ...' if len(empty) > 3 else ''}" if len(empty) > 1 else "")
+                            + ": give it its images, or remove it (a class with no test images needs no test folder)")
+        if self.hidden:
+            log(f"{root}: left out {len(self.hidden)} hidden files (names that start with '.', such as "
+                f"{self.hidden[0]}: a Mac's ._ metadata, .DS_Store, .ipynb_checkpoints)")
+
+    def find_classes(self, directory):
+        found = folder_classes(directory)
+        if self.given_classes is None:
+            return found, {c: i for i, c in enumerate(found)}
+        extra = [c for c in found if c not in self.given_classes]
+        if extra:
+            raise UserError(f"{directory} holds the class folder{'s' if len(extra) > 1 else ''} "
+                            f"{', '.join(map(repr, extra[:3]))}, not among the training classes (a typo, a letter's "
+                            f"case?): rename or remove {'them' if len(extra) > 1 else 'it'}")
+        return list(self.given_classes), {c: i for i, c in enumerate(self.given_classes)}
+
+    def is_visible_image(self, path: str) -> bool:
+        relative = os.path.relpath(path, self.root)
+        if any(part.startswith(".") for part in relative.split(os.sep)):
+            self.hidden.append(relative)
+            return False
+        return has_file_allowed_extension(path, IMG_EXTENSIONS)
+
+    def __getstate__(self):  # what the loader workers get: not the list of hidden files
+        return {**self.__dict__, "hidden": []}
+
+
+def read_image(path: str, mode: str = "RGB") -> Image.Image:
+    """An image file as it looks: turned by its EXIF orientation; 16 bits per pixel scaled to 8."""
+    with open(path, "rb") as f:
+        image = ImageOps.exif_transpose(Image.open(f))
+        if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 0..65535: keep the high byte
+            image = Image.fromarray((np.asarray(image, dtype=np.int64) >> 8).clip(0, 255).astype(np.uint8))
+        return image.convert(mode)
+
+
 def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
     """The train or test split of `dataset`, cut to its first `size` samples if size > 0."""
     if dataset == "synthetic":
@@ -215,6 +299,7 @@ def measure_data(train, test) -> DataSpec:
     its `classes` list as torchvision's datasets have); ImageData's rest is computed, from exact integer
     sums, so that every rank gets the same numbers. A Dataset (too large to read twice) states its mean
     and std. Raises UserError, naming load_data, if the splits are not what the loaders take."""
+    check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape != shape:
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test images of "
@@ -239,7 +324,8 @@ def measure_data(train, test) -> DataSpec:
     if len(mean) != shape[0] or len(std) != shape[0] or min(std) <= 0:
         raise UserError(f"load_data states mean {tuple(mean)} and std {tuple(std)}: each needs {shape[0]} values "
                         f"(one per channel), and std must be positive")
-    return DataSpec(*shape, num_classes=int(num_classes), mean=tuple(map(float, mean)), std=tuple(map(float, std)))
+    return DataSpec(*shape, num_classes=int(num_classes), mean=tuple(map(float, mean)), std=tuple(map(float, std)),
+                    classes=class_names(train))
 
 
 @dataclass
@@ -265,6 +351,7 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
     else:
         shape = dict(zip(("channels", "height", "width"), call_and_agree(check_split, test_data, "test")))
         spec = DataSpec(**found.ckpt["config"]["data_spec"])
+        call_and_agree(check_same_classes, spec.classes, test_data, "the checkpoint's training split")
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
@@ -330,8 +417,8 @@ def first_readable(split, name: str, tries: int = 10) -> tuple:
             return split[i], i
         except Exception as e:  # noqa: BLE001 - any failure to read is said, with where it was raised
             error = bad_sample(split, i, name, describe_exception(e))
-    raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; the first: "
-                    f"{error.describe()}")
+    raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; the last: "
+                    f"{error.describe()}; {error.fix}")
 
 
 def stated_classes(split) -> int | None:
@@ -339,6 +426,32 @@ def stated_classes(split) -> int | None:
     if getattr(split, "num_classes", None):
         return split.num_classes
     return len(split.classes) if isinstance(getattr(split, "classes", None), (list, tuple)) else None
+
+
+def class_names(split) -> tuple | None:
+    """The names a split gives its classes, index by index (`classes`, as torchvision's datasets have it), if any."""
+    names = getattr(split, "classes", None)
+    return tuple(map(str, names)) if isinstance(names, (list, tuple)) and len(names) else None
+
+
+def check_same_classes(names, test, source: str) -> None:
+    """UserError unless every class the test split names has the index it has in `names` (the training split's,
+    or the checkpoint's). ImageFolder numbers the class folders it finds, in sorted order: a test folder that
+    lacks one, or spells one otherwise, gives every later class's images another class's label, and a good
+    model a bad score, without a word. (A test split that lacks only the last classes shifts nothing.)"""
+    test_names = class_names(test)
+    if not names or test_names is None or tuple(test_names) == tuple(names)[:len(test_names)]:
+        return
+    names = tuple(names)
+    lacks, extra = [c for c in names if c not in test_names], [c for c in test_names if c not in names]
+
+    def listed(classes):
+        return ", ".join(map(repr, classes[:3])) + (f" and {len(classes) - 3} more" if len(classes) > 3 else "")
+    found = ([f"lacks {listed(lacks)}"] if lacks else []) + ([f"has {listed(extra)}, which {source} lacks"] if extra else [])
+    what = " and ".join(found) if found else "names the same classes in another order"
+    raise UserError(f"the test split's classes are not {source}'s: it {what}, so its labels would name other classes "
+                    f"(ImageFolder numbers the class folders it finds); fix the folder names, or number the test "
+                    f"split by the training classes: dataset_utils.image_folder(path, classes=...) (README, Adapt it)")
 
 
 def count_classes(train, test) -> int:
@@ -499,7 +612,12 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
     index = idx
     while isinstance(data, Share):
         data, index = data.dataset, data.indices[index]
-    return BadSample(split, index, sample_file(data, index), reason, **fix)
+    file = sample_file(data, index)
+    if file and os.path.basename(file).startswith("._") and not fix:  # a folder unpacked from a Mac's tar
+        fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
+                      f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or read the folder with "
+                      f"dataset_utils.image_folder, which leaves out names that start with '.'"}
+    return BadSample(split, index, file, reason, **fix)
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):

@@ -5,22 +5,25 @@ import gzip
 import json
 import os
 import re
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
 import dataset_utils as du
-from support import ROOT, SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl
+from support import ROOT, SCRIPTS, TINY, assert_one_line, launch, load_model_state, read_json, read_jsonl
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz" for split in ("train", "t10k") for kind, d in (("images", 3), ("labels", 1))]
 
 
-def readme_worked_example() -> str:
-    """The python block the README's worked example shows, exactly as written there."""
+def readme_load_data(marker: str) -> str:
+    """The python block the README shows after `<!-- {marker}: the tests replace load_data with exactly this
+    block -->` ("worked example": Fashion-MNIST's; "image folders"), exactly as written there."""
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    after = text.split("<!-- worked example: the tests replace load_data with exactly this block -->", 1)[1]
+    after = text.split(f"<!-- {marker}: the tests replace load_data with exactly this block -->", 1)[1]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -73,7 +76,7 @@ FASHION_RUN = ["--data-dir", FASHION, *TINY, "--batch-size", 128, "--base-lr", 0
 
 def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
     require_fashion_mnist()
-    block = readme_worked_example()
+    block = readme_load_data("worked example")
     assert block.startswith("def load_data(") and "ImageData" in block
     script = adapted_script(tmp_path / "code", load_data=block)
     out = tmp_path / "run"
@@ -262,6 +265,61 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
     refused = run_adapted(script, [*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=1, check=False)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert refused.returncode != 0 and len(errors) == 1 and "--loader gpu needs the data in memory" in errors[0]
+
+
+# --------------------------------------------------------------------------- a real folder, as users have it
+
+# torchvision's ImageFolder as it is (RGB): what a user writes without the README's reader.
+PLAIN_FOLDER_LOAD_DATA = FOLDER_LOAD_DATA.replace("v2.Compose([v2.Grayscale(), v2.PILToTensor()])", "v2.PILToTensor()")\
+    .replace("(0.286,), (0.353,)", "(0.286,) * 3, (0.353,) * 3")
+APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        "  # the header of a Mac's ._ file
+
+
+@pytest.fixture(scope="module")
+def messy_folder(png_folder, tmp_path_factory):
+    """png_folder as real folders come: unpacked from a Mac's tar (a ._ file beside each image of class_0), with
+    .DS_Store files and a notebook's checkpoints; some images greyscale with alpha, palette or 16-bit; and a test
+    folder that lacks class_3 (no test images of it yet)."""
+    from PIL import Image
+    root = tmp_path_factory.mktemp("messy")
+    shutil.copytree(png_folder, root, dirs_exist_ok=True)
+    shutil.rmtree(root / "test" / "class_3")
+    for png in sorted((root / "train" / "class_0").glob("*.png")):
+        (png.parent / f"._{png.name}").write_bytes(APPLEDOUBLE)
+    for split in ("train", "test"):
+        (root / split / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (root / "train" / "class_2" / ".ipynb_checkpoints").mkdir()
+    Image.new("L", (28, 28)).save(root / "train" / "class_2" / ".ipynb_checkpoints" / "00000-checkpoint.png")
+    for i, png in enumerate(sorted((root / "train" / "class_1").glob("*.png"))[:3]):
+        grey = Image.open(png)
+        converted = [grey.convert("LA"), grey.convert("P"), Image.fromarray((np.asarray(grey).astype(np.uint16) * 257))]
+        converted[i].save(png)
+    return root
+
+
+def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_is_refused_in_one_line(
+        tmp_path, messy_folder):
+    """The README's load_data for image folders: the ._ files and checkpoints left out and counted, every mode
+    read, the test images of each class labelled as in training though class_3 has none; then a plain
+    ImageFolder on the same folders, which would shift class_4 to class_9 down by one, is refused on 2 ranks
+    before any training, and so is --evaluate of the trained checkpoint with it."""
+    hidden = len(list((messy_folder / "train" / "class_0").glob("._*"))) + 1
+    n_test = sum(1 for _ in (messy_folder / "test").glob("*/*.png"))
+    out = tmp_path / "run"
+    readme = adapted_script(tmp_path / "readme", load_data=readme_load_data("image folders"))
+    proc = run_adapted(readme, [*FOLDER_RUN, "--epochs", 1, "--data-dir", messy_folder, "--out-dir", out])
+    assert f"{messy_folder}/train: left out {hidden} hidden files (names that start with '.'" in proc.stdout
+    assert f"Data: 600 training and {n_test} test images of 3 x 28 x 28, 10 classes" in proc.stdout
+    assert read_json(out / "config.json")["data_spec"]["classes"] == [f"class_{k}" for k in range(10)]
+    assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == n_test < 200
+
+    plain = adapted_script(tmp_path / "plain", load_data=PLAIN_FOLDER_LOAD_DATA)
+    for args, source in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"], "the training split's"),
+                         (["--evaluate", "--out-dir", out, "--timeout", 60], "the checkpoint's training split's")):
+        refused = run_adapted(plain, args, check=False)
+        assert refused.returncode != 0 and "Training started" not in refused.stdout
+        assert_one_line(refused.stdout + refused.stderr, f"error: the test split's classes are not {source}: it lacks "
+                        "'class_3', so its labels would name other classes")
 
 
 # --------------------------------------------------------------------------- another model

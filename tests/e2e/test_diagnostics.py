@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import ROOT, TINY, assert_one_line, launch, load_model_state, read_jsonl
-from test_adapt import adapted_script, run_adapted
+from test_adapt import adapted_script, readme_load_data, run_adapted
 
 PHASES = ("data", "compute", "sync", "optimizer", "other")
 
@@ -86,19 +86,6 @@ def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_
 
 # --------------------------------------------------------------------------- an unreadable sample
 
-def readme_folder_block() -> str:
-    """The README's `folder()` route for image files, exactly as written there."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    return text.split("such as `folder(...)` below", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-
-
-FOLDER_LOAD_DATA = '''
-def load_data(cfg, env, train: bool = True):
-    import os
-{block}
-    return (folder(os.path.join(cfg.data_dir, "train")) if train else None), folder(os.path.join(cfg.data_dir, "test"))
-'''
-
 # 320 training images (20 steps of 16 on 2 ranks: a check at step 10, mid-epoch) and 64 test images of
 # 16 x 16 RGB, 4 classes, as PNG files; one DataLoader worker per rank reads them.
 FOLDER_RUN = [*TINY, "--batch-size", 16, "--epochs", 2, "--workers", 1, "--loader", "torch", "--device", "cpu",
@@ -124,8 +111,8 @@ def write_png_folder(root, n_train=320, n_test=64):
 
 @pytest.fixture
 def folder_script(tmp_path_factory):
-    block = "\n".join("    " + line if line else "" for line in readme_folder_block().splitlines())
-    return adapted_script(tmp_path_factory.mktemp("code"), load_data=FOLDER_LOAD_DATA.format(block=block))
+    """train_ddp.py with the README's load_data for image folders, exactly as written there."""
+    return adapted_script(tmp_path_factory.mktemp("code"), load_data=readme_load_data("image folders"))
 
 
 def assert_clean_stop(proc, *parts):

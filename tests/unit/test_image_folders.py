@@ -1,0 +1,130 @@
+"""Image folders as users have them, read in-process: the splits' classes compared (ImageFolder numbers the class
+folders it finds, so a test folder that lacks one, or spells one otherwise, would mislabel every later class without
+a word), and dataset_utils.image_folder, the README's reader, on what real folders hold: a Mac's ._ files, notebook
+checkpoints, empty class folders, images of every PIL mode, 16-bit and EXIF-rotated ones. (The entry point on such a
+folder, on 2 ranks: e2e/test_adapt.py.)"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import v2
+
+import dataset_utils as du
+from machinery.errors import UserError
+
+
+def write_folder(root, classes, per_class=2, size=8):
+    """root/<class>/<i>.png: random RGB images, `per_class` of each class."""
+    rng = np.random.default_rng(0)
+    for c in classes:
+        os.makedirs(root / c, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    return root
+
+
+def plain(root):
+    """The README's former reader: torchvision's ImageFolder as it is."""
+    data = ImageFolder(str(root), transform=v2.PILToTensor())
+    data.mean, data.std = (0.5,) * 3, (0.25,) * 3
+    return data
+
+
+@pytest.mark.parametrize("train_classes, test_classes, named", [
+    (["a", "b", "c"], ["a", "c"], "lacks 'b'"),                          # a class with no test images yet
+    (["cat", "dog", "emu"], ["cats", "dog", "emu"], "lacks 'cat' and has 'cats'"),  # a typo
+    (["Dog", "cat", "emu"], ["cat", "dog", "emu"], "lacks 'Dog' and has 'dog'"),    # a letter's case: another order
+    (["a", "b", "c"], ["a", "b", "c", "d"], "has 'd', which the training split lacks"),
+])
+def test_a_test_split_that_names_its_classes_otherwise_is_refused_naming_them(tmp_path, train_classes, test_classes,
+                                                                             named):
+    train, test = write_folder(tmp_path / "train", train_classes), write_folder(tmp_path / "test", test_classes)
+    with pytest.raises(UserError) as e:
+        du.measure_data(plain(train), plain(test))
+    assert f"the test split's classes are not the training split's: it {named}" in str(e.value)
+    assert "dataset_utils.image_folder(path, classes=...)" in str(e.value)
+
+
+def test_a_test_split_that_lacks_only_the_last_classes_is_taken_and_the_spec_records_the_names(tmp_path):
+    train, test = write_folder(tmp_path / "train", ["a", "b", "c"]), write_folder(tmp_path / "test", ["a", "b"])
+    spec = du.measure_data(plain(train), plain(test))  # every test label means the class it means in training
+    assert spec.num_classes == 3 and spec.classes == ("a", "b", "c")
+
+
+def test_image_folder_numbers_a_test_split_by_the_training_classes(tmp_path):
+    write_folder(tmp_path / "train", ["a", "b", "c"])
+    write_folder(tmp_path / "test", ["a", "c"])
+    classes = du.folder_classes(tmp_path / "train")
+    train, test = du.image_folder(tmp_path / "train", classes), du.image_folder(tmp_path / "test", classes)
+    assert test.classes == ["a", "b", "c"] and test.targets == [0, 0, 2, 2]  # c is 2, as in training
+    train.mean, train.std = (0.5,) * 3, (0.25,) * 3
+    assert du.measure_data(train, test).num_classes == 3
+
+
+def test_image_folder_leaves_out_hidden_files_and_folders_and_says_so(tmp_path, capsys):
+    root = write_folder(tmp_path / "train", ["a", "b"])
+    (root / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")  # AppleDouble: metadata, not an image
+    (root / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (root / "b" / ".ipynb_checkpoints").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "b" / ".ipynb_checkpoints" / "0-checkpoint.png")
+    (root / ".ipynb_checkpoints").mkdir()  # at the top: plain ImageFolder would make it a class
+    Image.new("RGB", (8, 8)).save(root / ".ipynb_checkpoints" / "x.png")
+    (root / "a" / "notes.txt").write_text("not an image")
+    data = du.image_folder(root)
+    assert data.classes == ["a", "b"] and len(data) == 4
+    assert sorted(os.path.relpath(path, root) for path, _ in data.samples) == ["a/0.png", "a/1.png", "b/0.png", "b/1.png"]
+    # a/._0.png and b/.ipynb_checkpoints/0-checkpoint.png; the top-level ones are no class, so never read
+    assert f"{root}: left out 2 hidden files (names that start with '.', such as " in capsys.readouterr().out
+
+
+def test_image_folder_refuses_an_empty_class_folder_and_a_class_folder_not_among_the_training_classes(tmp_path):
+    root = write_folder(tmp_path / "train", ["a", "b"])
+    (root / "c").mkdir()
+    (root / "c" / "scan.heic").write_bytes(b"")  # a file, but not of an image type ImageFolder reads
+    with pytest.raises(UserError, match=f"the class folder {root}/c holds no image file .*: give it its images, or remove it"):
+        du.image_folder(root)
+    test = write_folder(tmp_path / "test", ["a", "B"])
+    with pytest.raises(UserError, match=f"{test} holds the class folder 'B', not among the training classes"):
+        du.image_folder(test, classes=["a", "b"])
+    with pytest.raises(UserError, match="cannot read the image folder .*/nowhere"):
+        du.folder_classes(tmp_path / "nowhere")
+
+
+def test_image_folder_reads_every_mode_16_bit_and_exif_rotated_images_as_they_look(tmp_path):
+    root = tmp_path / "train" / "a"
+    root.mkdir(parents=True)
+    grey = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
+    Image.fromarray(grey.astype(np.uint16) * 257).save(root / "0_16bit.png")  # 16 bits: the same greys, scaled
+    rgb = Image.fromarray(np.stack([grey] * 3, axis=-1))
+    for mode in ("L", "RGBA", "P", "1", "CMYK"):
+        rgb.convert(mode).save(root / f"1_{mode}.{'jpg' if mode == 'CMYK' else 'png'}")
+    tall = Image.fromarray(np.zeros((8, 4, 3), dtype=np.uint8))  # stored 4 wide, 8 high; EXIF: turn it 90 degrees
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    tall.save(root / "2_exif.jpg", exif=exif)
+    data = du.image_folder(tmp_path / "train")
+    images = {os.path.basename(path): data[i][0] for i, (path, _) in enumerate(data.samples)}
+    assert all(x.dtype == torch.uint8 and x.shape[0] == 3 for x in images.values())
+    assert torch.equal(images["0_16bit.png"][0], torch.from_numpy(grey))  # not clipped to white
+    assert images["2_exif.jpg"].shape == (3, 4, 8)  # as a viewer shows it: 8 wide, 4 high
+    assert du.image_folder(tmp_path / "train", mode="L")[0][0].shape == (1, 8, 8)
+
+
+def test_a_mac_appledouble_file_read_by_a_plain_image_folder_is_named_with_the_way_out(tmp_path):
+    root = write_folder(tmp_path / "train", ["a"])
+    (root / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")
+    data = plain(root)
+    bad = du.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("._0.png"), "training")
+    assert isinstance(bad, du.BadSample) and bad.file.endswith("a/._0.png")
+    assert bad.fix.startswith("it is a Mac's AppleDouble metadata file, not an image: delete them (find ")
+    assert "-name '._*' -delete), or read the folder with dataset_utils.image_folder" in bad.fix
+    # A ._ file beside every image: they sort first, so none of a class folder's first samples reads.
+    for i in range(1, 12):
+        Image.new("RGB", (8, 8)).save(root / "a" / f"{i:02d}.png")
+        (root / "a" / f"._{i:02d}.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")
+    with pytest.raises(UserError, match="none of its first 10 samples reads; the last: training sample 9 .*/a/._.*"
+                                        "it is a Mac's AppleDouble metadata file, not an image: delete them"):
+        du.check_split(plain(root), "training")
