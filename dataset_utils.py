@@ -617,6 +617,9 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
         fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
                       f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or read the folder with "
                       f"dataset_utils.image_folder, which leaves out names that start with '.'"}
+    elif file and os.path.islink(file) and not os.path.exists(file) and not fix:
+        fix = {"fix": f"it is a symbolic link to {os.readlink(file)}, which does not exist: restore that file, or "
+                      f"remove the link"}
     return BadSample(split, index, file, reason, **fix)
 
 

@@ -128,3 +128,13 @@ def test_a_mac_appledouble_file_read_by_a_plain_image_folder_is_named_with_the_w
     with pytest.raises(UserError, match="none of its first 10 samples reads; the last: training sample 9 .*/a/._.*"
                                         "it is a Mac's AppleDouble metadata file, not an image: delete them"):
         du.check_split(plain(root), "training")
+
+
+def test_a_broken_symbolic_link_is_named_as_one_with_its_target(tmp_path):
+    root = write_folder(tmp_path / "train", ["a"])
+    (root / "a" / "2.png").symlink_to(tmp_path / "moved" / "2.png")  # ImageFolder lists it; reading it fails
+    data = du.image_folder(root)
+    bad = du.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("2.png"), "training")
+    assert bad.reason.startswith("FileNotFoundError") and bad.file.endswith("a/2.png")
+    assert bad.fix == f"it is a symbolic link to {tmp_path}/moved/2.png, which does not exist: restore that file, " \
+                      "or remove the link"
