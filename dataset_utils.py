@@ -236,6 +236,7 @@ class ImageFolderSplit(ImageFolder):
         super().__init__(root, transform=pil_to_tensor, loader=functools.partial(read_image, mode=mode),
                          is_valid_file=self.is_visible_image, allow_empty=True)
         counts = torch.bincount(torch.as_tensor(self.targets, dtype=torch.int64), minlength=len(self.classes))
+        root = self.root  # as torchvision expanded it (~)
         empty = [c for c, n in zip(self.classes, counts.tolist()) if n == 0 and os.path.isdir(os.path.join(root, c))]
         if empty:  # a class folder that exists holds images: else a wrong extension, or no permission to read it
             unreadable = not os.access(os.path.join(root, empty[0]), os.R_OK | os.X_OK)
@@ -270,10 +271,15 @@ class ImageFolderSplit(ImageFolder):
 
 
 def read_image(path: str, mode: str = "RGB") -> Image.Image:
-    """An image file as it looks: turned by its EXIF orientation; 16 bits per pixel scaled to 8."""
+    """An image file as it looks: turned by its EXIF orientation (as stored if that is malformed); 16 bits per
+    pixel scaled to 8 (PIL's convert would clip them to white), then converted to `mode`."""
     with open(path, "rb") as f:
-        image = ImageOps.exif_transpose(Image.open(f))
-        if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 0..65535: keep the high byte
+        image = Image.open(f)
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception:  # noqa: BLE001 - a malformed EXIF block: the pixels are still good
+            image.load()
+        if image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255):
             image = Image.fromarray((np.asarray(image, dtype=np.int64) >> 8).clip(0, 255).astype(np.uint8))
         return image.convert(mode)
 
@@ -436,22 +442,27 @@ def class_names(split) -> tuple | None:
 
 def check_same_classes(names, test, source: str) -> None:
     """UserError unless every class the test split names has the index it has in `names` (the training split's,
-    or the checkpoint's). ImageFolder numbers the class folders it finds, in sorted order: a test folder that
-    lacks one, or spells one otherwise, gives every later class's images another class's label, and a good
-    model a bad score, without a word. (A test split that lacks only the last classes shifts nothing.)"""
-    test_names = class_names(test)
-    if not names or test_names is None or tuple(test_names) == tuple(names)[:len(test_names)]:
+    or the checkpoint's): by its `class_to_idx` where it has one (a split numbered by hand), else by the order of
+    its `classes`. ImageFolder numbers the class folders it finds, in sorted order: a test folder that lacks one,
+    or spells one otherwise, gives every later class's images another class's label, and a good model a bad
+    score, without a word. (A test split that lacks only the last classes shifts nothing.)"""
+    mapping = getattr(test, "class_to_idx", None)
+    test_index = ({str(c): i for c, i in mapping.items()} if isinstance(mapping, dict) and mapping else
+                  {c: i for i, c in enumerate(class_names(test) or ())})
+    index = {c: i for i, c in enumerate(names or ())}
+    if not index or not test_index or all(index.get(c) == i for c, i in test_index.items()):
         return
-    names = tuple(names)
-    lacks, extra = [c for c in names if c not in test_names], [c for c in test_names if c not in names]
+    lacks, extra = [c for c in index if c not in test_index], [c for c in test_index if c not in index]
 
     def listed(classes):
         return ", ".join(map(repr, classes[:3])) + (f" and {len(classes) - 3} more" if len(classes) > 3 else "")
     found = ([f"lacks {listed(lacks)}"] if lacks else []) + ([f"has {listed(extra)}, which {source} lacks"] if extra else [])
-    what = " and ".join(found) if found else "names the same classes in another order"
+    what = " and ".join(found) if found else "numbers the same classes otherwise"
+    fix = ("rename or remove the test split's class folders that training lacks" if extra and not lacks else
+           "fix the folder names, or number the test split by the training classes: "
+           "dataset_utils.image_folder(path, classes=...) (README, Adapt it)")
     raise UserError(f"the test split's classes are not {source}'s: it {what}, so its labels would name other classes "
-                    f"(ImageFolder numbers the class folders it finds); fix the folder names, or number the test "
-                    f"split by the training classes: dataset_utils.image_folder(path, classes=...) (README, Adapt it)")
+                    f"(ImageFolder numbers the class folders it finds); {fix}")
 
 
 def count_classes(train, test) -> int:

@@ -271,8 +271,8 @@ def train(cfg, env, found, lock) -> int:
                 utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
                 break
             if stopping and epoch < cfg.epochs:  # a stop request at the epoch's end
-                utils.log(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with status "
-                          f"{stop.exit_status} to be resumed.")
+                stop.say_stopped(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with "
+                                 f"status {stop.exit_status} to be resumed.")
                 return stop.exit_status
             if epoch == cfg.stop_after_epoch and epoch < cfg.epochs:
                 utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")

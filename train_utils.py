@@ -190,8 +190,8 @@ def stop_or_checkpoint_mid_epoch(progress, sums: torch.Tensor, *, t0: float, cfg
         progress.sums = total.tolist()
         checkpoint.save(progress)
     if stopping:
-        log(f"Stop requested ({stop.reason}) in epoch {progress.epoch + 1} after step {step}: "
-            f"checkpoint saved in {cfg.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
+        stop.say_stopped(f"Stop requested ({stop.reason}) in epoch {progress.epoch + 1} after step {step}: "
+                         f"checkpoint saved in {cfg.out_dir}; exiting with status {EXIT_STOPPED} to be resumed.")
     return stopping
 
 

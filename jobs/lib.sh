@@ -115,9 +115,10 @@ flight_recorder() {
 }
 
 # The ranks checkpoint and exit (status 75) when this file appears; it lives in the project
-# directory, which every node and the container see. A requeued job keeps its id: start clean.
+# directory, which every node and the container see. Once their checkpoint is saved, rank 0 writes
+# $DDP_STOP_FILE.saved beside it. A requeued job keeps its id: start clean.
 export DDP_STOP_FILE="$PROJECT_DIR/.ddp-stop-${SLURM_JOB_ID:-local}"
-rm -f "$DDP_STOP_FILE"
+rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
 
 # torchrun dies of a SIGUSR1 unless told to forward it to the ranks as it forwards TERM and INT (torch >= 2.9 reads
 # this; older ones ignore it). It matters where Slurm signals every process of a step: --signal=USR1@N without B:.
@@ -142,25 +143,28 @@ run_requeueable() {
     while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
     wait "$pid" || status=$?
     trap - USR1 TERM
-    if [[ -e "$DDP_STOP_FILE" && $status -ne 0 ]]; then
-        rm -f "$DDP_STOP_FILE"
-        if [[ $status == 75 || $status == 1 ]]; then  # srun passes the ranks' 75 on; torchrun reports it as 1
+    local saved=""  # the ranks' own word that they stopped on request with a checkpoint (StopRequest.say_stopped)
+    [[ -e "$DDP_STOP_FILE.saved" ]] && saved=yes
+    rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
+    if [[ $status -ne 0 && ( -n "$STOP_SIGNAL" || -n "$saved" ) ]]; then
+        if [[ -n "$saved" ]]; then
             echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
                  "$status, so its FAILED lines in the .err file are expected)"
         else
             echo "=== $(date -Is): the run ended with status $status before it could checkpoint (signalled while" \
                  "starting, before training): the last checkpoint, if any, is intact"
         fi
-        if [[ "$STOP_SIGNAL" == TERM ]]; then
-            echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a preempted" \
-                 "job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
+        if [[ "$STOP_SIGNAL" == USR1 ]]; then
+            echo "=== requeueing job $SLURM_JOB_ID to resume"
+            scontrol requeue "$SLURM_JOB_ID" && exit 0
+            echo "=== requeue failed (is JobRequeue allowed here?); resubmit this job to resume" >&2
             exit "$status"
         fi
-        echo "=== requeueing job $SLURM_JOB_ID to resume"
-        scontrol requeue "$SLURM_JOB_ID" && exit 0
-        echo "=== requeue failed (is JobRequeue allowed here?); resubmit this job to resume" >&2
+        # TERM to the shell, or a signal that reached the ranks alone (a preemption's grace time signals the tasks).
+        echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a preempted" \
+             "job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
+        exit "$status"
     fi
-    rm -f "$DDP_STOP_FILE"
     echo "=== $(date -Is): finished with status $status"
     exit "$status"
 }

@@ -3,18 +3,21 @@ file), the loader workers that must outlive it (deaf_to_stop_signals), and the t
 exit on SIGTERM and Ctrl-C (catch_stop_signals)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 
 import torch
 
 from machinery.errors import EXIT_STOPPED, UserError, all_reduce_max
 from machinery.launch import read_dist_env
-from machinery.output import say
+from machinery.output import is_main_process, log, say
 
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
@@ -67,6 +70,15 @@ class StopRequest:
             self.signal = f"stop file {self.stop_file}"
         return self.signal is not None
 
+    def say_stopped(self, message: str) -> None:
+        """The stop's line, from rank 0, once its checkpoint is saved; with the job scripts' stop file, the same
+        line in a file beside it ($DDP_STOP_FILE.saved): how the job's shell knows that the ranks checkpointed,
+        whichever way the signal came (to the shell, or to the ranks alone) and whatever the launcher's status."""
+        log(message)
+        if self.stop_file and is_main_process():
+            with contextlib.suppress(OSError), open(self.stop_file + ".saved", "w") as f:
+                f.write(message + "\n")
+
     def check(self, device, sums, allow_nonfinite: bool) -> bool:
         """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
         non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
@@ -106,12 +118,35 @@ class StopRequest:
 def stop_signals_held():
     """Around the start of worker processes: the stop signals held back from this thread (any other thread of
     the process takes them, or they wait for the block's end); the workers are born holding them too, until
-    deaf_to_stop_signals."""
+    deaf_to_stop_signals. Also sees to it that they end with this process (end_workers_at_exit)."""
+    if end_workers_at_exit not in _registered:
+        _registered.append(end_workers_at_exit)
+        atexit.register(end_workers_at_exit)  # after multiprocessing's own exit handler, so it runs before it
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
+        # The first spawn starts multiprocessing's resource tracker, whose start unblocks SIGINT and SIGTERM in
+        # this thread on its way out: start it first (born holding SIGUSR1 too), then hold them again.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_registered = []
+
+
+def end_workers_at_exit() -> None:
+    """At exit, the loader workers still up (their loader not freed yet, as in a reference cycle): SIGKILL, without
+    torch's "worker killed" error. multiprocessing's own exit handler would SIGTERM them, which they ignore, and
+    wait for them for ever."""
+    children = multiprocessing.active_children()
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=5)
 
 
 def deaf_to_stop_signals(worker_id: int = 0) -> None:

@@ -273,6 +273,7 @@ def assert_ended_with_a_checkpoint(job, log, out, state):
     text = read(log)
     assert "signal received: asking the ranks to checkpoint and stop (TERM: scancel, the time limit" in text
     assert "Stop requested (SIGTERM) in epoch 1 after step" in text and "requeueing" not in text
+    assert "the run stopped on request, checkpointed (the ranks exit 75" in text  # the ranks' word, not a guess
     assert f"=== job {job} ends here" in text and "to resume, submit the same command again" in text
     assert "DataLoader worker" not in text and "killed by signal" not in text
     assert job_field(job, "Restarts") == "0" and "(restart 1)" not in text

@@ -2,14 +2,18 @@
 previous ones restored after; a signal or the stop file inside is a stop request, named in `reason`;
 and check's policy on non-finite losses (any, without fp16's grad scaler; a majority since the last
 check, with it)."""
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from machinery.errors import UserError
 from machinery.signals import StopRequest
+from support import ROOT, SCRIPTS
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
@@ -80,3 +84,15 @@ def test_nonfinite_loss_policy():
     with pytest.raises(UserError, match="most fp16 steps"):
         fp16.check(cpu, sums(10, 100), True)  # diverged: caught within 10 steps, not after half an epoch
     assert fp16.check(cpu, sums(2, 10), True) is False  # a new epoch restarts the sums
+
+
+def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_end_with_their_process():
+    """A stop signal sent to every process (Slurm, timeout) must not kill a loader worker, even one still starting
+    up: it is born holding them back (the first spawn's resource tracker unblocks SIGINT and SIGTERM in the rank,
+    so the hold is taken again), then ignores them. And a worker that ignores SIGTERM still ends with its
+    process, whose loader may outlive multiprocessing's exit handler (which would wait for it for ever)."""
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "worker_signal_mask.py")], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(report["born_holding"]) == sorted(report["ignores"]) == sorted(int(s) for s in SIGNALS)
