@@ -37,7 +37,8 @@ RECIPES = {
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
                                 epilog="The defaults are the original script's 5-epoch smoke run.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                allow_abbrev=False)  # --epoch is a typo to name, not --epochs to guess
     add = p.add_argument_group("the original script's flags").add_argument  # their meaning kept
     add("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
     add("--epochs", type=int, default=5, help="number of epochs to train")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import faulthandler
+import re
 import signal
 import sys
 import textwrap
@@ -132,11 +134,28 @@ def check_recipe_args(args) -> None:
 
 def refuse_flags(parser, message: str):
     """argparse's error, in this script's form: one `error:` line from rank 0 (every rank parses the
-    same command line and leaves with it), exit status 2."""
+    same command line and leaves with it), naming the flags a mistyped one may have meant; exit status 2."""
     if is_main_process():
-        parser.print_usage(sys.stderr)
-        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        print(f"error: {message}{suggest_flags(parser, message)} (see --help)", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def suggest_flags(parser, message: str) -> str:
+    """`; did you mean --batch-size?` for the unknown flags in argparse's message: the flags spelled alike
+    (--batchsize, --epoch), or holding the word (--lr: --base-lr, --lr-scaling, --lr-schedule)."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    unknown = re.findall(r"(?<![\w-])(--[\w-]+)", message.split("unrecognized arguments:", 1)[-1]) \
+        if "unrecognized arguments:" in message else []
+    hints = []
+    for flag in dict.fromkeys(f for f in unknown if f not in known):
+        word = flag[2:].replace("_", "-")
+        alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
+        holding = [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
+        if alike or holding:
+            names = alike + holding
+            said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+            hints.append(f"{flag}: did you mean {said}?")
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def explicit_flags(parser, argv) -> set:
