@@ -2,9 +2,11 @@
 eval.json) and the original script's summary lines."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -12,6 +14,17 @@ import torch
 from machinery.files import now_iso, write_json, write_on_main, write_text
 from machinery.launch import DistEnv, gather_ranks
 from machinery.output import log
+
+
+def describe_run_eta(done: int, epochs: int, seconds_per_epoch: float) -> str:
+    """`Run: 3 of 100 epochs done; about 1 h 31 min left (ends about 14:05) at this session's pace`: an epoch's
+    wall time here, its evaluation, checkpoint and records included, times the epochs left."""
+    left_s = (epochs - done) * seconds_per_epoch
+    hours, minutes = divmod(round(left_s / 60), 60)
+    span = f"{hours} h {minutes} min" if hours else f"{minutes} min" if minutes else f"{max(1, round(left_s))} s"
+    ends = datetime.datetime.now() + datetime.timedelta(seconds=left_s)
+    when = ends.strftime("%H:%M" if left_s < 20 * 3600 else "%a %H:%M")
+    return f"Run: {done} of {epochs} epochs done; about {span} left (ends about {when}) at this session's pace"
 
 
 class RunFiles:
@@ -29,6 +42,7 @@ class RunFiles:
         self.metrics_path = os.path.join(self.cfg.out_dir, "metrics.jsonl")
         self.rows = [json.dumps(m) + "\n" for m in history]
         self.record, self.tensorboard = provenance(config, self.ranks) if env.is_main else None, None
+        self.started, self.epochs_here = time.perf_counter(), 0  # this session's pace, for the run's ETA
 
         def write_start():
             write_json(os.path.join(self.cfg.out_dir, "config.json"), config)
@@ -53,6 +67,9 @@ class RunFiles:
                         self.tensorboard.add_scalar(key, value, metrics["epoch"])
                 self.tensorboard.flush()  # a preempted run keeps its curves too
         self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
+        self.epochs_here += 1
+        if metrics["epoch"] < self.cfg.epochs:
+            log(describe_run_eta(metrics["epoch"], self.cfg.epochs, (time.perf_counter() - self.started) / self.epochs_here))
 
     def finish(self, progress) -> None:
         env, history, total_s = self.env, progress.history, progress.total_time_s

@@ -32,6 +32,9 @@ def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir,
                                   f"Total CPU processes used: {world_size}", "Training completed successfully."]
     assert "GPUs" not in log
     assert f"Global batch 64 = {world_size} ranks x {64 // world_size}" in log
+    # After each epoch but the last, the whole run's ETA, once (not once per rank).
+    assert re.findall(r"^Run: (\d) of 4 epochs done; about \d+ (?:s|min|h \d+ min) left \(ends about \d\d:\d\d\) "
+                      r"at this session's pace$", log, re.M) == ["1", "2", "3"]
 
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]

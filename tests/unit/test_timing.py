@@ -49,3 +49,11 @@ def test_waiting_on_the_others_never_makes_a_rank_slow_and_one_rank_has_no_peers
     ranks = [rank(0, compute=0.1, sync=0.5), rank(1, compute=0.1)]
     assert find_slow_rank(ranks) is None
     assert find_slow_rank([rank(0, data=1.0)]) is None
+
+
+def test_the_run_eta_is_the_epochs_left_at_this_session_s_pace_in_plain_units():
+    from machinery.records import describe_run_eta
+    assert describe_run_eta(1, 100, 55.0).startswith("Run: 1 of 100 epochs done; about 1 h 31 min left (ends about ")
+    assert describe_run_eta(3, 5, 20.0).startswith("Run: 3 of 5 epochs done; about 1 min left")
+    assert describe_run_eta(1, 2, 0.4).startswith("Run: 1 of 2 epochs done; about 1 s left")
+    assert describe_run_eta(1, 200, 3600.0).startswith("Run: 1 of 200 epochs done; about 199 h 0 min left (ends about ")
