@@ -362,8 +362,24 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     log(f"Data: {len(data.train)} training and {len(data.test)} test images of {spec.channels} x {spec.height} x "
         f"{spec.width}, {spec.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in spec.mean)}, "
         f"std {tuple(round(s, 4) for s in spec.std)}")
-    for note in found.notes:
+    for note in [*found.notes, *flag_notes(cfg)]:
         log(f"note: {note}")
+
+
+def flag_notes(cfg) -> list:
+    """What the flags do that a user probably did not mean, each in a line: the LR rule training far below
+    --base-lr for a small batch, and a warm-up that takes most of a short run."""
+    notes = []
+    if cfg.lr_scaling != "none" and cfg.lr <= cfg.base_lr / 4:
+        notes.append(f"--batch-size {cfg.batch_size} is far below --reference-batch-size {cfg.reference_batch_size}, so "
+                     f"{cfg.lr_scaling} scaling trains at LR {cfg.lr:.4g}, {cfg.base_lr / cfg.lr:.3g}x below --base-lr "
+                     f"{cfg.base_lr:g}; to train at --base-lr as given, add --lr-scaling none (or --reference-batch-size "
+                     f"{cfg.batch_size})")
+    if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs / 2:
+        notes.append(f"{cfg.warmup_epochs:g} of the {cfg.epochs} epochs warm up (--warmup-epochs {cfg.warmup_epochs:g}): "
+                     f"the LR peaks only at epoch {min(cfg.warmup_epochs, cfg.epochs):g}; for a short run, lower "
+                     f"--warmup-epochs")
+    return notes
 
 
 def log_epoch(metrics: dict, epochs: int) -> None:

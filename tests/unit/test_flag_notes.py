@@ -1,0 +1,28 @@
+"""What a flag quietly does that a user probably did not mean is said in one line at the start (train_utils.flag_notes):
+a small --batch-size that the LR rule turns into a far smaller LR, a warm-up that takes most of a short run."""
+from types import SimpleNamespace
+
+from train_utils import flag_notes
+
+ORIGINAL_DEFAULTS = dict(batch_size=512, reference_batch_size=512, base_lr=0.01, lr=0.01, lr_scaling="linear",
+                         warmup_epochs=1.0, epochs=5)
+
+
+def notes(**changed):
+    return flag_notes(SimpleNamespace(**{**ORIGINAL_DEFAULTS, **changed}))
+
+
+def test_a_small_batch_that_the_lr_rule_scales_far_below_base_lr_is_said_with_the_way_to_keep_it():
+    assert notes() == [] and notes(batch_size=256, lr=0.005) == []  # half: what the rule is for
+    assert notes(batch_size=64, lr=0.00125) == [
+        "--batch-size 64 is far below --reference-batch-size 512, so linear scaling trains at LR 0.00125, 8x below "
+        "--base-lr 0.01; to train at --base-lr as given, add --lr-scaling none (or --reference-batch-size 64)"]
+    assert notes(batch_size=64, lr=0.01, lr_scaling="none") == []
+    assert notes(batch_size=2048, lr=0.04) == []  # a larger batch, a larger LR: the rule's point
+
+
+def test_a_warm_up_that_takes_half_a_run_or_more_is_said():
+    assert notes(warmup_epochs=5.0, epochs=6) == [
+        "5 of the 6 epochs warm up (--warmup-epochs 5): the LR peaks only at epoch 5; for a short run, lower "
+        "--warmup-epochs"]
+    assert notes(warmup_epochs=5.0, epochs=200) == [] and notes(warmup_epochs=0.0, epochs=1) == []
