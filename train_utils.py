@@ -362,14 +362,25 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     log(f"Data: {len(data.train)} training and {len(data.test)} test images of {spec.channels} x {spec.height} x "
         f"{spec.width}, {spec.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in spec.mean)}, "
         f"std {tuple(round(s, 4) for s in spec.std)}")
-    for note in [*found.notes, *flag_notes(cfg)]:
+    resumed = found.ckpt if found is not None and found.ckpt is not None else None
+    for note in [*found.notes, *flag_notes(cfg, resumed)]:
         log(f"note: {note}")
 
 
-def flag_notes(cfg) -> list:
+def flag_notes(cfg, ckpt: dict | None = None) -> list:
     """What the flags do that a user probably did not mean, each in a line: the LR rule training far below
-    --base-lr for a small batch, and a warm-up that takes most of a short run."""
+    --base-lr for a small batch, a warm-up that takes most of a short run, and a resume with another --epochs
+    that sends the schedule's LR back up (`ckpt`: the checkpoint resumed, if any)."""
     notes = []
+    if ckpt is not None and ckpt["config"]["epochs"] != cfg.epochs and cfg.lr_schedule != "constant":
+        at, before = ckpt["progress"]["epoch"], ckpt["config"]["epochs"]  # epochs done, the run's length so far
+
+        def lr(epochs):
+            return cfg.lr * lr_factor(at, at, epochs=epochs, warmup_epochs=cfg.warmup_epochs, schedule=cfg.lr_schedule)
+        if lr(cfg.epochs) > 1.5 * lr(before):
+            notes.append(f"--epochs {before} -> {cfg.epochs} stretches the {cfg.lr_schedule} schedule: after epoch {at} "
+                         f"the LR goes back up from {lr(before):.4g} to {lr(cfg.epochs):.4g}; to fine-tune at a low LR "
+                         f"instead, start a new run from these weights (--init-from) with its own schedule")
     if cfg.lr_scaling != "none" and cfg.lr <= cfg.base_lr / 4:
         notes.append(f"--batch-size {cfg.batch_size} is far below --reference-batch-size {cfg.reference_batch_size}, so "
                      f"{cfg.lr_scaling} scaling trains at LR {cfg.lr:.4g}, {cfg.base_lr / cfg.lr:.3g}x below --base-lr "

@@ -1,15 +1,16 @@
 """What a flag quietly does that a user probably did not mean is said in one line at the start (train_utils.flag_notes):
-a small --batch-size that the LR rule turns into a far smaller LR, a warm-up that takes most of a short run."""
+a small --batch-size that the LR rule turns into a far smaller LR, a warm-up that takes most of a short run, a
+finished run extended with a larger --epochs whose schedule sends the LR back up."""
 from types import SimpleNamespace
 
 from train_utils import flag_notes
 
 ORIGINAL_DEFAULTS = dict(batch_size=512, reference_batch_size=512, base_lr=0.01, lr=0.01, lr_scaling="linear",
-                         warmup_epochs=1.0, epochs=5)
+                         warmup_epochs=1.0, epochs=5, lr_schedule="cosine")
 
 
-def notes(**changed):
-    return flag_notes(SimpleNamespace(**{**ORIGINAL_DEFAULTS, **changed}))
+def notes(ckpt=None, **changed):
+    return flag_notes(SimpleNamespace(**{**ORIGINAL_DEFAULTS, **changed}), ckpt)
 
 
 def test_a_small_batch_that_the_lr_rule_scales_far_below_base_lr_is_said_with_the_way_to_keep_it():
@@ -26,3 +27,14 @@ def test_a_warm_up_that_takes_half_a_run_or_more_is_said():
         "5 of the 6 epochs warm up (--warmup-epochs 5): the LR peaks only at epoch 5; for a short run, lower "
         "--warmup-epochs"]
     assert notes(warmup_epochs=5.0, epochs=200) == [] and notes(warmup_epochs=0.0, epochs=1) == []
+
+
+def test_a_finished_cosine_run_extended_with_more_epochs_says_its_lr_goes_back_up():
+    finished = {"config": {"epochs": 4}, "progress": {"epoch": 4}}
+    line, = notes(finished, epochs=15, lr=0.05)
+    assert line.startswith("--epochs 4 -> 15 stretches the cosine schedule: after epoch 4 the LR goes back up from 0 to ")
+    assert line.endswith("; to fine-tune at a low LR instead, start a new run from these weights (--init-from) with "
+                         "its own schedule")
+    assert notes(finished, epochs=15, lr=0.05, lr_schedule="constant") == []  # no schedule to stretch
+    assert notes({"config": {"epochs": 15}, "progress": {"epoch": 4}}, epochs=15, lr=0.05) == []  # the same run
+    assert notes({"config": {"epochs": 4}, "progress": {"epoch": 1}}, epochs=5, lr=0.05) == []  # a little: no jump
