@@ -293,7 +293,7 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     model = torch.compile(model, dynamic=False) if cfg.compile else model
     utils.log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
               f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with {env.world_size} "
-              f"processes")
+              f"process{'es' if env.world_size > 1 else ''}")
     metrics = evaluate(model, training.test_loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
                        expected_count=len(data.test), tta=cfg.tta)
     utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path)  # eval.json

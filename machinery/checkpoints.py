@@ -124,9 +124,9 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
             continue
         if key in saved and key in flags and flags[key] != saved[key]:
             flag = "--" + key.replace("_", "-")
-            what = "data" if key in DATA_FLAGS else "model"
+            what = "on other data" if key in DATA_FLAGS else "another model"
             raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} of the checkpoint in "
-                            f"{flags['out_dir']}, which trained other {what}: use another --out-dir for a new run, or "
+                            f"{flags['out_dir']}, which trained {what}: use another --out-dir for a new run, or "
                             f"{flag} {saved[key]} to continue it")
     for key in (RECIPE_FLAGS if not flags["evaluate"] else ()):
         # A checkpoint from before the option trained without it: any value that turns it on changes the run.

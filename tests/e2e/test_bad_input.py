@@ -81,7 +81,8 @@ def test_checkpoint_of_another_model_is_refused_under_torchrun(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
     assert_refused(proc, "--depth 16 differs from the 10 of the checkpoint in", torchrun=True)
-    assert "use another --out-dir for a new run, or --depth 10 to continue it" in proc.stderr
+    assert f"of the checkpoint in {finished_run}, which trained another model: use another --out-dir for a new run, or " \
+           "--depth 10 to continue it" in proc.stderr
     assert snapshot(finished_run) == before
 
 

@@ -75,7 +75,8 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     # CIFAR-100) come from the checkpoint; its batch 6 need not divide by the 4 ranks to evaluate.
     ev = launch(["--evaluate", "--out-dir", out, "--timeout", 60], nproc=4, timeout=300)
     lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
-    assert lines[0].startswith(f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained)")
+    assert lines[0] == f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained) on 2 test " \
+                       f"images with 4 processes"
     assert lines[1].startswith("Validation Loss:") and lines[2].startswith("Validation Top-5 Accuracy:")
     assert len(lines) == 3, ev.stdout  # no training lines
     result = read_json(out / "eval.json")
@@ -87,6 +88,7 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert read_json(out / "eval.json")["val_count"] == 5
     refused = launch([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5], torchrun=False, check=False)
     assert refused.returncode != 0 and "--test-size 5 differs from the 2 of the checkpoint" in refused.stdout + refused.stderr
+    assert "which trained on other data: use another --out-dir" in refused.stderr
 
 
 def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path):
