@@ -362,8 +362,7 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     log(f"Data: {len(data.train)} training and {len(data.test)} test images of {spec.channels} x {spec.height} x "
         f"{spec.width}, {spec.num_classes} classes; per-channel mean {tuple(round(m, 4) for m in spec.mean)}, "
         f"std {tuple(round(s, 4) for s in spec.std)}")
-    resumed = found.ckpt if found is not None and found.ckpt is not None else None
-    for note in [*found.notes, *flag_notes(cfg, resumed)]:
+    for note in [*found.notes, *flag_notes(cfg, found.ckpt)]:
         log(f"note: {note}")
 
 
