@@ -350,8 +350,9 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     unit = "GPUs" if env.device.type == "cuda" else "CPU processes"
     log(f"Training started with {env.world_size} processes across {cfg.nodes} nodes.")
     log(f"Using {env.local_world_size} {unit} per node.")
-    changed = {k: v for k, v in cfg.flags.items() if parser.get_default(k) != v}
-    log(f"Config: {json.dumps(changed)} (the rest: the defaults; all of it in {cfg.out_dir}/config.json)")
+    changed = {k: v for k, v in cfg.flags.items() if parser.get_default(k) != v and k not in found.kept}
+    kept = "".join(f", and the checkpoint's --{k.replace('_', '-')} {cfg.flags[k]}" for k in sorted(found.kept))
+    log(f"Config: {json.dumps(changed)} (the rest: the defaults{kept}; all of it in {cfg.out_dir}/config.json)")
     split = (f"{env.world_size} ranks x {cfg.accumulation_steps} accumulation steps x {cfg.micro_batch_size}"
              if cfg.accumulation_steps > 1 else f"{env.world_size} ranks x {cfg.per_rank_batch}")
     rule = ("--base-lr as given, --lr-scaling none" if cfg.lr_scaling == "none" else

@@ -166,6 +166,7 @@ class Found:
     flags: dict = field(default_factory=dict)  # the flags to run with: as given, but for those the checkpoint rules
     notes: list = field(default_factory=list)  # what this run changes, for the start of the log
     finished: str | None = None  # a finished run rerun with the same command: the line that says so
+    kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
 
     def describe_model(self) -> str:
         return describe_model(self.ckpt["model_config"])
@@ -184,7 +185,8 @@ def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
     flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt)
     call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
     finished = None if ckpt is None or args.evaluate else call_and_agree(check_finished, ckpt, path, flags, notes)
-    return Found(ckpt, path, flags, notes, finished)
+    kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
+    return Found(ckpt, path, flags, notes, finished, kept)
 
 
 def read_summary(out_dir: str) -> dict:

@@ -142,3 +142,7 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     assert (out / "checkpoint.pt").stat().st_mtime_ns == before and read_jsonl(out / "metrics.jsonl") == metrics
     more = launch([*run, "--epochs", 3], torchrun=False)
     assert "Epoch 3/3 completed" in more.stdout and [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    # The Config line shows what was given: the per-rank cap the resume keeps from the checkpoint is said apart.
+    config_line = re.search(r"^Config: (\{.*\}) \(the rest: the defaults, and the checkpoint's --micro-batch 32; all "
+                            r"of it in ", more.stdout, re.M)
+    assert config_line and json.loads(config_line[1]) == {**shown, "epochs": 3}, more.stdout
