@@ -237,13 +237,15 @@ class ImageFolderSplit(ImageFolder):
                          is_valid_file=self.is_visible_image, allow_empty=True)
         counts = torch.bincount(torch.as_tensor(self.targets, dtype=torch.int64), minlength=len(self.classes))
         root = self.root  # as torchvision expanded it (~)
-        empty = [c for c, n in zip(self.classes, counts.tolist()) if n == 0 and os.path.isdir(os.path.join(root, c))]
+        empty = [c for c, n in zip(self.classes, counts.tolist())
+                 if n == 0 and os.path.isdir(os.path.join(root, c))]
         if empty:  # a class folder that exists holds images: else a wrong extension, or no permission to read it
-            unreadable = not os.access(os.path.join(root, empty[0]), os.R_OK | os.X_OK)
-            why = "cannot be read (permission denied)" if unreadable else f"holds no image file ({' '.join(IMG_EXTENSIONS)})"
-            raise UserError(f"the class folder {os.path.join(root, empty[0])} {why}"
-                            + (f", nor do {', '.join(empty[1:3])}{' ...' if len(empty) > 3 else ''}" if len(empty) > 1 else "")
-                            + ": give it its images, or remove it (a class with no test images needs no test folder)")
+            folder = os.path.join(root, empty[0])
+            why = ("cannot be read (permission denied)" if not os.access(folder, os.R_OK | os.X_OK) else
+                   f"holds no image file ({' '.join(IMG_EXTENSIONS)})")
+            more = f", nor do {', '.join(empty[1:3])}{' ...' if len(empty) > 3 else ''}" if len(empty) > 1 else ""
+            raise UserError(f"the class folder {folder} {why}{more}: give it its images, or remove it (a class with no "
+                            f"test images needs no test folder)")
         if self.hidden:
             log(f"{root}: left out {len(self.hidden)} hidden files (names that start with '.', such as "
                 f"{self.hidden[0]}: a Mac's ._ metadata, .DS_Store, .ipynb_checkpoints)")
@@ -431,7 +433,8 @@ def stated_classes(split) -> int | None:
     """The number of classes a split states: num_classes, or the length of its `classes` list."""
     if getattr(split, "num_classes", None):
         return split.num_classes
-    return len(split.classes) if isinstance(getattr(split, "classes", None), (list, tuple)) else None
+    names = class_names(split)
+    return len(names) if names else None
 
 
 def class_names(split) -> tuple | None:
@@ -456,7 +459,8 @@ def check_same_classes(names, test, source: str) -> None:
 
     def listed(classes):
         return ", ".join(map(repr, classes[:3])) + (f" and {len(classes) - 3} more" if len(classes) > 3 else "")
-    found = ([f"lacks {listed(lacks)}"] if lacks else []) + ([f"has {listed(extra)}, which {source} lacks"] if extra else [])
+    found = [f"lacks {listed(lacks)}"] if lacks else []
+    found += [f"has {listed(extra)}, which {source} lacks"] if extra else []
     what = " and ".join(found) if found else "numbers the same classes otherwise"
     fix = ("rename or remove the test split's class folders that training lacks" if extra and not lacks else
            "fix the folder names, or number the test split by the training classes: "

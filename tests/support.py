@@ -2,6 +2,7 @@
 launch the real entry points like a user, start them in the background and kill them, read their
 records, and write CIFAR-100 archives in the exact python format. Fixtures live in conftest.py."""
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -199,22 +200,38 @@ def launcher_and_ranks(proc):
                                                         text=True).stdout.split()]
 
 
+def processes() -> dict:
+    """{pid: (state, parent, session)} of every process."""
+    table = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                state, ppid, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        table[int(stat.split("/")[2])] = (state, int(ppid), int(sid))
+    return table
+
+
+def children(pid: int) -> list:
+    """The live processes whose parent is `pid`."""
+    return [child for child, (state, ppid, _) in processes().items() if ppid == pid and state != "Z"]
+
+
+def descendants(pid: int) -> list:
+    """The live processes below `pid`: its children, theirs, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 def every_process(proc):
     """The pids of a launcher start() started and of every process below it (ranks, loader workers, resource
     trackers): what Slurm, `timeout` or a container runtime signal when they end a run."""
-    children = {}
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                with open(f"/proc/{stat}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(stat))
-            except (OSError, IndexError):
-                continue
-    pids, todo = [], [proc.pid]
-    while todo:
-        pids.append(todo.pop())
-        todo += children.get(pids[-1], [])
-    return pids
+    return [proc.pid, *descendants(proc.pid)]
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch, load_model_state, paused, read_json,
-                     read_jsonl)
+                     read_jsonl, wait_for)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -237,14 +237,6 @@ def signal_reference(tmp_path_factory):
     return load_model_state(out)
 
 
-def wait_for_text(log, line, timeout=300):
-    """Wait until the log holds `line`, whatever the job's state (a cancelled job's shell still writes)."""
-    deadline = time.time() + timeout
-    while line not in read(log):
-        assert time.time() < deadline, read(log)
-        time.sleep(0.2)
-
-
 def test_time_limit_warning_checkpoints_requeues_and_resumes_to_the_same_weights(slurm, tmp_path, signal_reference):
     out = tmp_path / "run"
     job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*SIGNAL_TRAIN, "--out-dir", out])
@@ -291,7 +283,7 @@ def test_scancel_checkpoints_and_ends_the_job_and_the_same_command_resumes_to_th
     wait_for_line(job, log, TRAINING)
     with paused(training_pids(out, log)):  # lands before training ends; Slurm sends SIGCONT with its TERM
         subprocess.run(["scancel", job], check=True)
-        wait_for_text(log, "signal received")
+        wait_for(lambda: "signal received" in read(log), timeout=300, what="the job's shell taking the signal")
     assert_ended_with_a_checkpoint(job, log, out, "CANCELLED")
     (again_dir := tmp_path / "again").mkdir()
     again, again_log = sbatch("multigpu.sh", again_dir, ["--gpus=2"], [*SIGNAL_TRAIN, "--out-dir", out])
@@ -312,7 +304,8 @@ def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command
     job, log = sbatch("srun_direct.sh", tmp_path, limit, train, env=threads)
     wait_for_line(job, log, TRAINING)
     with paused(training_pids(out, log)):
-        wait_for_text(log, "signal received")  # a minute, and up to Slurm's 30 s check of the limits
+        # A minute, and up to Slurm's 30 s check of the limits; the job's state may already say it ends.
+        wait_for(lambda: "signal received" in read(log), timeout=300, what="the time limit's signal")
     assert "DUE TO TIME LIMIT" in read(log)
     assert_ended_with_a_checkpoint(job, log, out, "TIMEOUT")
     (again_dir := tmp_path / "again").mkdir()

@@ -6,7 +6,8 @@ group (the terminal's) leaves no DataLoader worker behind.
 Each test waits for a sign that the script is where it should be hit: a line it prints, a port it
 listens on, or, where it prints nothing first, its handler installed (the SIGTERM bit of SigCgt in
 /proc/PID/status) and its work begun; the work is made far longer than the wait, so the signal always
-lands while it runs. The launch code is written out here: these tests import nothing from conftest."""
+lands while it runs. The launch code is written out here; the process table (processes, children, descendants)
+comes from support.py, shared with test_stop_signals.py."""
 import glob
 import os
 import re
@@ -17,6 +18,8 @@ import sys
 import time
 
 import pytest
+
+from support import children, descendants, processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -106,35 +109,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def processes() -> dict:
-    """{pid: (state, parent, session)} of every process."""
-    table = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                state, ppid, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
-        except (OSError, ValueError):
-            continue
-        table[int(stat.split("/")[2])] = (state, int(ppid), int(sid))
-    return table
-
-
 def session_members(sid: int) -> list:
     """The live processes of session `sid` (the launched script and whatever it started)."""
     return [pid for pid, (state, _, s) in processes().items() if s == sid and state != "Z"]
-
-
-def children(pid: int) -> list:
-    return [child for child, (state, ppid, _) in processes().items() if ppid == pid and state != "Z"]
-
-
-def descendants(pid: int) -> list:
-    found, todo = [], [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
 
 
 def free_port() -> int:
