@@ -1,5 +1,7 @@
-"""train_ddp.py's flags, one flat argparse config with a line of help each (a flag added here is cfg.<its
-name> in the recipe: train_utils.make_config), and the named presets of them (--recipe NAME).
+"""The config's whole story: train_ddp.py's flags, one flat argparse config with a line of help each and,
+beside each, what a resume does with it (resume_rules); the named presets of them (--recipe NAME); the
+argument checks (check_args); and what this run's world makes of them, computed once (make_config: RunConfig).
+A flag added here is cfg.<its name> in the recipe.
 
 A preset maps flag -> value and sits under any flag given on the command line; with no --recipe the
 defaults are the original script's 5-epoch smoke run, and its flags keep their names and meaning. The modern
@@ -8,23 +10,34 @@ decay apart for norm layers, a held-out validation split, fine-tuning from weigh
 --recipe modern turns on those that came out ahead in bench-results/README.md ("The modern recipe").
 """
 import argparse
+import math
+from dataclasses import dataclass, fields
 
+import torch
+
+from machinery.errors import UserError, all_gather
+from machinery.launch import DistEnv, default_workers, host_name
 from model import depth_arg, width_arg
 
-# The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1 per
-# 128 samples, weight decay 5e-4, 200 epochs, x0.2 at 60/120/160; at batch 512 by the linear rule, 5 warm-up epochs.
+# The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1
+# per 128 samples, weight decay 5e-4, 200 epochs, x0.2 at 60/120/160; at batch 512 by the linear rule, 5
+# warm-up epochs.
 WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
                  reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
                  momentum=0.9, nesterov=True, weight_decay=5e-4)
 
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe
-    # The WRN paper's recipe with the modern options that came out ahead on Fashion-MNIST (bench-results/README.md,
-    # "The modern recipe on Fashion-MNIST", a WRN-10-2 fitting 500 images, 3-5 seeds each): mixup at alpha 0.2
-    # (+0.36 points) and the mirror at evaluation (--tta, +0.2); together +0.59 over 5 seeds, more than twice the
-    # seeds' spread (sd 0.25). TrivialAugment, random erasing, cutmix and clipping cost accuracy there, and the
-    # weight EMA and weight decay apart for norm layers did not come out ahead: they stay off, each a flag away.
-    "modern": dict(**WRN_PAPER, mixup_alpha=0.2, tta=True),
+    # The WRN paper's recipe with the mirror at evaluation (--tta): what the rule in bench-results/README.md
+    # ("Does --recipe modern earn its name?") left it, over four Fashion-MNIST regimes (a WRN-10-2, 5 seeds
+    # each). No composition earned the name; the mirror alone was never behind (+0.04 to +0.27 points) nor
+    # ahead with t >= 2: this preset is not measurably better than wrn-paper. Mixup 0.2, in it until
+    # 2026-11-25, gained with the mirror where the model fits few images over many epochs (+0.42 on 250
+    # images x 120 epochs, +0.59 on 500 x 60) and cost where training stops early (-0.60 on 1,000 x 24,
+    # t = -2.6; -0.52 on 5,000 x 10): add --mixup-alpha 0.2 for a long run on little data. TrivialAugment,
+    # random erasing, cutmix, clipping, the weight EMA and weight decay apart for norm layers did not come out
+    # ahead: each is a flag away.
+    "modern": dict(**WRN_PAPER, tta=True),
     # The original script's LR: --base-lr as given for any batch, constant, no warm-up. With its job's flags
     # (--batch-size 1024 --epochs 100 --base-lr 0.04 --target-accuracy 0.95 --patience 2) it trains at 0.04.
     "original": dict(lr_scaling="none", warmup_epochs=0.0, lr_schedule="constant"),
@@ -34,69 +47,276 @@ RECIPES = {
 }
 
 
+# What a resume does with each flag, declared beside it (add(..., resume=...)), read by
+# machinery/checkpoints.py:
+#   DATA    what the checkpoint trained on: a run on other data must not continue it (refused);
+#   MODEL   what fixes the model's shapes: checked against the checkpoint's model_config (refused);
+#   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);
+#   NOTED   may change (the LR, batch size, schedule): the resumed run's log says what changed;
+#   QUIET   may change without a word (where files go, how fast, what is scored or logged).
+# `before`: what a checkpoint written before the flag existed meant; None: the option was off, so a value that
+# turns it on changes the run. ANY: any value continues it (a decay that means nothing while its option is
+# off).
+DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
+ANY = object()
+
+
+def adder(group):
+    """group.add_argument, taking each flag's resume rule (and `before`) beside its help."""
+    def add(*names, resume: str, before=None, **kwargs):
+        action = group.add_argument(*names, **kwargs)
+        action.resume, action.before = resume, before
+        return action
+    return add
+
+
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
                                 epilog="The defaults are the original script's 5-epoch smoke run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 allow_abbrev=False)  # --epoch is a typo to name, not --epochs to guess
-    add = p.add_argument_group("the original script's flags").add_argument  # their meaning kept
-    add("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
-    add("--epochs", type=int, default=5, help="number of epochs to train")
-    add("--base-lr", type=float, default=0.01, help="LR for a global batch of --reference-batch-size")
-    add("--target-accuracy", type=float, default=0.85, help="validation accuracy (fraction) for early stopping")
-    add("--patience", type=int, default=2, help="stop after this many epochs in a row at or above the target")
-    add = p.add_argument_group("model").add_argument
-    add("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
-    add("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
-    add("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
-    add = p.add_argument_group("data").add_argument
-    add("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="synthetic: learnable, no download")
-    add("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
-    add("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
-    add("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
-    add("--loader", choices=["auto", "gpu", "torch"], default="auto", help="gpu: data kept on the device (the CPU "
-        "without CUDA); torch: DataLoader workers; auto: gpu on CUDA, else torch")
-    add("--workers", type=int, default=-1, help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
-    add("--skip-bad-samples", type=int, default=0, help="skip up to N unreadable training samples per epoch (0: stop)")
-    add = p.add_argument_group("optimisation and schedule").add_argument
-    add("--micro-batch", type=int, default=None, help="most samples per forward on a rank, more by accumulation")
-    add("--reference-batch-size", type=int, default=512, help="the global batch --base-lr was tuned for")
-    add("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear", help="LR rule for the batch's ratio")
-    add("--lr-schedule", choices=["cosine", "step", "constant"], default="cosine", help="after warm-up: cosine to 0, "
-        "x0.2 steps at 30/60/80%%, or constant")
-    add("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
-    add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum")
-    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
-    add("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
-    add("--sync-bn", action="store_true", help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
-    add("--find-unused-parameters", action="store_true", help="let the loss leave parameters out (DDP: cost per step)")
-    add = p.add_argument_group("the modern recipe (each off by default, as in the original script)").add_argument
-    add("--model-ema", action="store_true", help="evaluate and save an EMA of the weights and BatchNorm buffers")
-    add("--model-ema-decay", type=float, default=0.999, help="the EMA's decay per --reference-batch-size samples")
-    add("--clip-grad-norm", type=float, default=None, help="clip the gradients' global norm to N (fp16: unscaled)")
-    add("--auto-augment", choices=["ta_wide"], default=None, help="TrivialAugmentWide on each training image")
-    add("--random-erase", type=float, default=0.0, help="probability of erasing a random box of a training image")
-    add("--mixup-alpha", type=float, default=0.0, help="mixup in each micro-batch: ratio ~ Beta(alpha, alpha)")
-    add("--cutmix-alpha", type=float, default=0.0, help="cutmix in each micro-batch (with mixup: one of them, 50/50)")
-    add("--norm-weight-decay", type=float, default=None, help="weight decay of biases and norm layers (else: "
-        "--weight-decay)")
-    add("--tta", action="store_true", help="evaluation averages the logits of each image and its mirror")
-    add("--val-size", type=int, default=0, help="hold N training samples out to validate on (best.pt follows it)")
-    add("--init-from", default=None, help="start from a checkpoint's or state_dict's weights (another head: fresh)")
-    add = p.add_argument_group("the run").add_argument
-    add("--recipe", choices=sorted(RECIPES), default=None, help="a named preset (below); flags given win over it")
-    add("--out-dir", default="./runs/wrn", help="checkpoints, metrics and summary; a checkpoint here is resumed")
-    add("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
-    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: CUDA if available, else CPU")
-    add("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto", help="mixed precision; auto: bf16 on GPUs")
-    add("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
-    add("--log-every", type=int, default=50, help="a progress line every N steps (0: none)")
-    add("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: at epoch ends only)")
-    add("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
-    add("--stop-after-epoch", type=int, default=0, help="end this run after that epoch, to resume later (0: never)")
-    add("--evaluate", action="store_true", help="score the checkpoint in --out-dir on its test set, and exit")
-    add("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
-    add("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
-    add("--profile", action="store_true", help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
+    add = adder(p.add_argument_group("the original script's flags"))  # their meaning kept
+    add("--batch-size", resume=NOTED, type=int, default=512,
+        help="global batch size, split evenly over all ranks")
+    add("--epochs", resume=NOTED, type=int, default=5, help="number of epochs to train")
+    add("--base-lr", resume=NOTED, type=float, default=0.01,
+        help="LR for a global batch of --reference-batch-size")
+    add("--target-accuracy", resume=NOTED, type=float, default=0.85,
+        help="validation accuracy (fraction) for early stopping")
+    add("--patience", resume=NOTED, type=int, default=2,
+        help="stop after this many epochs in a row at or above the target")
+    add = adder(p.add_argument_group("model"))
+    add("--depth", resume=MODEL, type=depth_arg, default=16, help="WideResNet depth, 6n+4")
+    add("--widen-factor", resume=MODEL, type=width_arg, default=8, help="WideResNet width multiplier k")
+    add("--dropout", resume=NOTED, type=float, default=0.0, help="dropout between the convs of each block")
+    add = adder(p.add_argument_group("data"))
+    add("--dataset", resume=DATA, choices=["cifar100", "synthetic"], default="cifar100",
+        help="synthetic: learnable, no download")
+    add("--data-dir", resume=QUIET, default="./datasets",
+        help="where cifar-100-python.tar.gz is, or is downloaded to")
+    add("--train-size", resume=DATA, type=int, default=0,
+        help="use only the first N training samples (0: all)")
+    add("--test-size", resume=DATA, type=int, default=0, help="use only the first N test samples (0: all)")
+    add("--loader", resume=QUIET, choices=["auto", "gpu", "torch"], default="auto",
+        help="gpu: data kept on the device (the CPU without CUDA); torch: DataLoader workers; "
+        "auto: gpu on CUDA, else torch")
+    add("--workers", resume=QUIET, type=int, default=-1,
+        help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
+    add("--skip-bad-samples", resume=QUIET, type=int, default=0,
+        help="skip up to N unreadable training samples per epoch (0: stop)")
+    add = adder(p.add_argument_group("optimisation and schedule"))
+    add("--micro-batch", resume=NOTED, type=int, default=None,
+        help="most samples per forward on a rank, more by accumulation")
+    add("--reference-batch-size", resume=NOTED, type=int, default=512,
+        help="the global batch --base-lr was tuned for")
+    add("--lr-scaling", resume=NOTED, choices=["linear", "sqrt", "none"], default="linear",
+        help="LR rule for the batch's ratio")
+    add("--lr-schedule", resume=NOTED, choices=["cosine", "step", "constant"], default="cosine",
+        help="after warm-up: cosine to 0, x0.2 steps at 30/60/80%%, or constant")
+    add("--warmup-epochs", resume=NOTED, type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
+    add("--momentum", resume=NOTED, type=float, default=0.9, help="SGD momentum")
+    add("--nesterov", resume=NOTED, action=argparse.BooleanOptionalAction, default=False,
+        help="Nesterov momentum")
+    add("--weight-decay", resume=NOTED, type=float, default=5e-4, help="SGD weight decay")
+    add("--label-smoothing", resume=NOTED, type=float, default=0.0,
+        help="label smoothing of the training loss")
+    add("--sync-bn", resume=NOTED, action="store_true",
+        help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
+    add("--find-unused-parameters", resume=QUIET, action="store_true",
+        help="let the loss leave parameters out (DDP: cost per step)")
+    add = adder(p.add_argument_group("the modern recipe (each off by default, as in the original script)"))
+    add("--model-ema", resume=RECIPE, action="store_true",
+        help="evaluate and save an EMA of the weights and BatchNorm buffers")
+    add("--model-ema-decay", resume=RECIPE, before=ANY, type=float, default=0.999,
+        help="the EMA's decay per --reference-batch-size samples")
+    add("--clip-grad-norm", resume=RECIPE, type=float, default=None,
+        help="clip the gradients' global norm to N (fp16: unscaled)")
+    add("--auto-augment", resume=RECIPE, choices=["ta_wide"], default=None,
+        help="TrivialAugmentWide on each training image")
+    add("--random-erase", resume=RECIPE, type=float, default=0.0,
+        help="probability of erasing a random box of a training image")
+    add("--mixup-alpha", resume=RECIPE, type=float, default=0.0,
+        help="mixup in each micro-batch: ratio ~ Beta(alpha, alpha)")
+    add("--cutmix-alpha", resume=RECIPE, type=float, default=0.0,
+        help="cutmix in each micro-batch (with mixup: one of them, 50/50)")
+    add("--norm-weight-decay", resume=RECIPE, type=float, default=None,
+        help="weight decay of biases and norm layers (else: --weight-decay)")
+    add("--tta", resume=QUIET, action=argparse.BooleanOptionalAction, default=False,
+        help="evaluation averages the logits of each image and its mirror")
+    add("--val-size", resume=DATA, before=0, type=int, default=0,
+        help="hold N training samples out to validate on (best.pt follows it)")
+    add("--init-from", resume=QUIET, default=None,
+        help="start from a checkpoint's or state_dict's weights (another head: fresh)")
+    add = adder(p.add_argument_group("the run"))
+    add("--recipe", resume=NOTED, choices=sorted(RECIPES), default=None,
+        help="a named preset (below); flags given win over it")
+    add("--out-dir", resume=QUIET, default="./runs/wrn",
+        help="checkpoints, metrics and summary; a checkpoint here is resumed")
+    add("--seed", resume=DATA, type=int, default=0,
+        help="seed for the weights, the data order and augmentation")
+    add("--device", resume=QUIET, choices=["auto", "cuda", "cpu"], default="auto",
+        help="auto: CUDA if available, else CPU")
+    add("--amp", resume=QUIET, choices=["auto", "fp16", "bf16", "off"], default="auto",
+        help="mixed precision; auto: bf16 on GPUs")
+    add("--timeout", resume=QUIET, type=float, default=600,
+        help="seconds before a hung collective or rendezvous fails")
+    add("--log-every", resume=QUIET, type=int, default=50, help="a progress line every N steps (0: none)")
+    add("--checkpoint-every", resume=QUIET, type=int, default=0,
+        help="also checkpoint every N steps (0: at epoch ends only)")
+    add("--keep-checkpoints", resume=QUIET, type=int, default=2, help="how many recent checkpoints to keep")
+    add("--stop-after-epoch", resume=QUIET, type=int, default=0,
+        help="end this run after that epoch, to resume later (0: never)")
+    add("--evaluate", resume=QUIET, action="store_true",
+        help="score the checkpoint in --out-dir on its test set, and exit")
+    add("--compile", resume=QUIET, action="store_true",
+        help="torch.compile the model (slower start, faster steps)")
+    add("--tensorboard", resume=QUIET, action="store_true",
+        help="also log the epoch metrics to out-dir/tensorboard")
+    add("--profile", resume=QUIET, action="store_true",
+        help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
     return p
+
+
+def resume_rules(parser=None) -> dict:
+    """dest -> (what a resume does with the flag, what a checkpoint from before it meant), as declared
+    above."""
+    parser = parser or get_args_parser()
+    return {a.dest: (a.resume, a.before) for a in parser._actions if hasattr(a, "resume")}
+
+
+# ------------------------------------------------------------------------- the argument checks
+
+def check_args(args, world_size: int, device: torch.device) -> None:
+    """Reject bad input before any work, with one line that says what to change."""
+    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
+        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
+                        f"{world_size}; try --batch-size "
+                        f"{max(1, round(args.batch_size / world_size)) * world_size}")
+    if args.epochs < 1:
+        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
+    if not 0.0 <= args.target_accuracy <= 1.0:
+        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} "
+                        f"(85% is 0.85)")
+    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch",
+                 "checkpoint_every", "skip_bad_samples"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                            "(or pip install -e '.[tensorboard]')") from None
+    if args.micro_batch is not None and args.micro_batch < 1:
+        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got "
+                        f"{args.micro_batch} (leave it out for no cap)")
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); "
+                        "leave it out on CPU")
+    check_recipe_args(args)
+    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
+        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
+
+
+def check_recipe_args(args) -> None:
+    """The modern recipe's flags."""
+    if not 0.0 < args.model_ema_decay < 1.0:
+        raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
+                        f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
+    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
+        raise UserError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm} "
+                        f"(leave it out for no clipping)")
+    if args.norm_weight_decay is not None and args.norm_weight_decay < 0:
+        raise UserError(f"--norm-weight-decay must not be negative, got {args.norm_weight_decay} "
+                        f"(leave it out: --weight-decay for all)")
+    if not 0.0 <= args.random_erase <= 1.0:
+        raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
+    for name in ("mixup_alpha", "cutmix_alpha", "val_size"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)} "
+                            f"(0: off)")
+
+
+# ----------------------------------------------------------- what the world makes of the flags, computed once
+
+@dataclass(frozen=True, eq=False)
+class RunConfig:
+    """Every flag, and what this run makes of them in its world: built once (make_config), read by
+    training, --evaluate and bench.py, and stored whole in config.json and every checkpoint. A flag
+    reads as an attribute too: cfg.epochs is flags["epochs"]."""
+    flags: dict              # every flag, after --recipe and what a resumed checkpoint rules
+    world_size: int          # ranks in all
+    nodes: int               # hosts they run on
+    per_rank_batch: int      # each rank's share of the global --batch-size (rounded up for --evaluate)
+    accumulation_steps: int  # micro-steps per optimizer step, each of at most --micro-batch samples
+    micro_batch_size: int    # samples per forward and backward on one rank
+    eval_batch: int          # test images per forward on one rank: --micro-batch at most, known to fit
+    lr: float                # the peak LR: --base-lr carried from --reference-batch-size to --batch-size
+    num_workers: int         # DataLoader workers per rank (--loader torch)
+    device_type: str         # cuda or cpu
+    amp_dtype: torch.dtype | None  # autocast's dtype, or None for full fp32
+    ema_decay: float         # --model-ema's decay per optimizer step: --model-ema-decay per reference batch
+
+    def __getattr__(self, name):
+        flags = self.__dict__.get("flags")
+        if flags is None or name not in flags:
+            raise AttributeError(name)
+        return flags[name]
+
+    def to_dict(self) -> dict:
+        """Flat, as config.json and checkpoints hold it: the flags, then the derived values."""
+        derived = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "flags"}
+        amp = str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else None  # "bfloat16", or null
+        return {**self.flags, **derived, "amp_dtype": amp}
+
+
+def make_config(args, env: DistEnv, found=None) -> RunConfig:
+    """The run's config from the flags (those of `found`, machinery.checkpoints.Found: the checkpoint's where
+    it rules, if given) and the world. A collective: the ranks count their hosts."""
+    args = argparse.Namespace(**found.flags) if found is not None and found.flags else args
+    clash = set(vars(args)) & ({f.name for f in fields(RunConfig)} | {"to_dict"})
+    if clash:  # a flag named like a derived value would be shadowed by it
+        raise ValueError(f"flags named like RunConfig's fields: {sorted(clash)}; "
+                         f"rename them in get_args_parser")
+    # --batch-size is global: each rank takes its share
+    per_rank_batch = -(-args.batch_size // env.world_size)
+    accum = accumulation_steps(per_rank_batch, args.micro_batch)
+    return RunConfig(
+        flags=dict(vars(args)), world_size=env.world_size, nodes=len(set(all_gather(host_name()))),
+        per_rank_batch=per_rank_batch, accumulation_steps=accum, micro_batch_size=per_rank_batch // accum,
+        eval_batch=min(per_rank_batch, args.micro_batch or per_rank_batch),
+        lr=scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling),
+        num_workers=args.workers if args.workers >= 0 else default_workers(env), device_type=env.device.type,
+        amp_dtype=resolve_amp(args.amp, env.device),
+        # The average's horizon stays the same in samples whatever the batch: a step of B samples decays it by
+        # D^(B / reference batch) (torchvision adjusts its decay for the batch and EMA interval alike).
+        ema_decay=args.model_ema_decay ** (args.batch_size / args.reference_batch_size))
+
+
+def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
+    `micro_batch` samples (None: no cap, one step)."""
+    if not micro_batch or micro_batch >= per_rank_batch:
+        return 1
+    return next(a for a in range(1, per_rank_batch + 1)
+                if per_rank_batch % a == 0 and per_rank_batch // a <= micro_batch)
+
+
+def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) -> float:
+    """Scale the LR tuned for `reference_batch` to the global batch (Goyal et al. 2017 for linear)."""
+    ratio = batch_size / reference_batch
+    return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
+
+
+def resolve_amp(amp: str, device: torch.device):
+    """The autocast dtype, or None for full fp32."""
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated,
+        # slowly.
+        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]

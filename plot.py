@@ -1,7 +1,8 @@
 """Plots from run directories and benchmark results, as PNG files (needs matplotlib: pip install -e '.[plot]').
 
-    python plot.py runs/wrn runs/other --out runs/plots  # loss, accuracy and throughput per epoch, and the LR
-    python plot.py runs/sweep/*-seed* --out runs/plots   # NAME-seedN: each configuration's mean, with a band
+    python plot.py runs/wrn            # runs/wrn/curves.png: loss, accuracy, throughput, LR, each rank's time
+    python plot.py runs/wrn runs/other # runs/plots/wrn+other.png: the runs side by side
+    python plot.py runs/sweep/*-seed*  # NAME-seedN: each configuration's mean, with a band
     python plot.py --scaling bench-results/*.json --out runs/plots  # img/s and efficiency against GPUs
 
 SIGTERM and Ctrl-C stop it at once: one line on stderr, exit status 128 + the signal's number (143, 130).
@@ -47,49 +48,102 @@ def group_runs(run_dirs: list) -> dict:
     return groups
 
 
-def plot_runs(run_dirs: list, out_dir: str) -> dict:
-    """loss.png (train and validation loss), accuracy.png (top-1 and top-5; with --val-size, the test set's
-    top-1 too), throughput.png: one colour per configuration, one line style per quantity, against the epoch,
-    and the LR in a panel below. Several seeds of one configuration (NAME-seed0, NAME-seed1, ...) are drawn as
-    their mean with a band from their minimum to their maximum. Returns {file name: figure}."""
+def describe_runs(run_dirs: list) -> str:
+    """The title: each distinct model, global batch and peak LR of the runs (from their config.json)."""
+    seen = []
+    for d in run_dirs:
+        try:
+            with open(os.path.join(d, "config.json")) as f:
+                c = json.load(f)
+        except (OSError, ValueError):
+            continue
+        text = f"WRN-{c['depth']}-{c['widen_factor']}, global batch {c['batch_size']}, peak LR {c['lr']:.3g}"
+        text += f" ({c['data']})" if c.get("data") else ""
+        if text not in seen:
+            seen.append(text)
+    return "\n".join(seen)
+
+
+def default_path(run_dirs: list) -> str:
+    """Where a call's figure goes: beside a single run (RUN/curves.png), or for several runs under
+    runs/plots/, named after them, so that another call on other runs never overwrites it."""
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    if len(names) == 1:
+        return os.path.join(run_dirs[0], "curves.png")
+    return os.path.join("runs", "plots", "+".join(dict.fromkeys(names))[:150] + ".png")
+
+
+PHASE_COLOURS = {"data": "tab:orange", "compute": "tab:blue", "sync": "tab:red", "optimizer": "tab:green",
+                 "other": "tab:gray"}
+
+
+def plot_runs(run_dirs: list, path: str) -> dict:
+    """One figure, `path`: loss, top-1 accuracy (training, and the test set, or with --val-size the validation
+    split and the test set), training throughput (epoch 1, which holds the start-up, marked apart), the LR
+    once, and each rank's split of its step time in the last epoch (rank_times) for the first run. One colour
+    per configuration, one line style per quantity; several seeds of one configuration (NAME-seed0,
+    NAME-seed1, ...) are drawn as their mean with a band from their minimum to their maximum. Returns
+    {path: figure}."""
     plt = _pyplot()
     groups = group_runs(run_dirs)
-    test_too = any("test_acc" in m[0] for runs in groups.values() for _, m in runs)
-    panels = {"loss.png": ("loss", [("train_loss", "train", "-"), ("val_loss", "validation", "--")]),
-              "accuracy.png": ("accuracy", [("val_acc", "top-1", "-"), ("val_top5", "top-5", ":")]
-                               + ([("test_acc", "test top-1", "-.")] if test_too else [])),
-              "throughput.png": ("training images/s", [("images_per_s", "", "-")])}
+    first_rows = next(iter(groups.values()))[0][1]
+    held_out = any("test_acc" in m[0] for runs in groups.values() for _, m in runs)
+    scored = "validation" if held_out else "test"  # without --val-size the log's "Validation" is the test set
+    curves = {"loss": [("train_loss", "train", "-"), ("val_loss", scored, "--")]
+              + ([("test_loss", "test", "-.")] if held_out else []),
+              "top-1 accuracy": [("train_acc", "train", "-"), ("val_acc", scored, "--")]
+              + ([("test_acc", "test", "-.")] if held_out else []),
+              "training images/s": [("images_per_s", "", "-")]}
+    ranks = first_rows[-1].get("rank_times")
+    heights = [3, 3, 2, 1.5] + ([2] if ranks else [])
+    fig, axes = plt.subplots(len(heights), 1, figsize=(10, 3 * len(heights)),
+                             gridspec_kw={"height_ratios": heights}, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    figures = {}
-    for name, (ylabel, keys) in panels.items():
-        fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-        for i, (config, runs) in enumerate(groups.items()):
-            colour = colours[i % len(colours)]
-            epochs = [m["epoch"] for m in runs[0][1]]
-            n = min(len(metrics) for _, metrics in runs)  # the epochs every seed has
-            seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+    for i, (config, runs) in enumerate(groups.items()):
+        colour = colours[i % len(colours)]
+        n = min(len(metrics) for _, metrics in runs)  # the epochs every seed has
+        epochs = [m["epoch"] for m in runs[0][1]][:n]
+        seeds = f" ({len(runs)} seeds)" if len(runs) > 1 else ""
+        for ax, (ylabel, keys) in zip(axes, curves.items()):
             for key, label, style in keys:
                 if key not in runs[0][1][0]:
                     continue
                 values = [[metrics[e][key] for _, metrics in runs] for e in range(n)]
                 mean = [sum(v) / len(v) for v in values]
-                ax.plot(epochs[:n], mean, linestyle=style, color=colour, marker="o" if n < 30 else None,
-                        markersize=3, label=f"{config} {label}{seeds}".strip())
+                first = 1 if key == "images_per_s" and n > 1 and epochs[0] == 1 else 0  # epoch 1: start-up
+                ax.plot(epochs[first:], mean[first:], linestyle=style, color=colour,
+                        marker="o" if n < 30 else None,
+                        markersize=3, label=" ".join(filter(None, (config, label))) + seeds)
+                if first:
+                    ax.plot(epochs[:1], mean[:1], linestyle="none", marker="o", markerfacecolor="none",
+                            color=colour, label=f"{config}: epoch 1, with the start-up")
                 if len(runs) > 1:
-                    ax.fill_between(epochs[:n], [min(v) for v in values], [max(v) for v in values], color=colour,
+                    ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values], color=colour,
                                     alpha=0.15, linewidth=0)
-            ax_lr.plot(epochs[:n], [runs[0][1][e]["lr"] for e in range(n)], color=colour)
-        ax.set_ylabel(ylabel)
+            ax.set_ylabel(ylabel)
+    axes[3].plot(range(1, len(first_rows) + 1), [m["lr"] for m in first_rows], color="black")
+    axes[3].set_ylabel("LR (epoch's end)")
+    for ax in axes[:4]:
+        ax.set_xlabel("epoch")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        ax_lr.set_ylabel("LR (epoch's end)")
-        ax_lr.set_xlabel("epoch")
-        ax_lr.xaxis.get_major_locator().set_params(integer=True)
-        ax_lr.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, name), dpi=120)
-        figures[name] = fig
-    return figures
+        if ax.get_legend_handles_labels()[0]:
+            # outside: the curves show
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    if ranks:  # where each rank's step time went, in the first run's last epoch
+        ax = axes[4]
+        left = [0.0] * len(ranks)
+        for phase, colour in PHASE_COLOURS.items():
+            widths = [r[f"{phase}_s"] for r in ranks]
+            ax.barh([f"rank {r['rank']} ({r['host']})" for r in ranks], widths, left=left, color=colour,
+                    label=phase)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel(f"seconds per step, epoch {first_rows[-1]['epoch']} of {next(iter(groups))}")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.suptitle(describe_runs(run_dirs) or "")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return {path: fig}
 
 
 def plot_scaling(bench_files: list, out_dir: str) -> dict:
@@ -127,12 +181,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("paths", nargs="+", help="run directories, or with --scaling benchmark JSON files")
     p.add_argument("--scaling", action="store_true", help="the paths are bench.py JSON results")
-    p.add_argument("--out", default="runs/plots", help="directory for the PNG files")
+    p.add_argument("--out", default=None, help="the PNG file (default: RUN/curves.png for one run, else "
+                   "runs/plots/<the runs' names>.png; with --scaling, a folder: runs/plots)")
     args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    figures = (plot_scaling if args.scaling else plot_runs)(args.paths, args.out)
-    for name in figures:
-        print(os.path.join(args.out, name))
+    if args.scaling:
+        os.makedirs(args.out or "runs/plots", exist_ok=True)
+        figures = {os.path.join(args.out or "runs/plots", name): fig
+                   for name, fig in plot_scaling(args.paths, args.out or "runs/plots").items()}
+    else:
+        figures = plot_runs(args.paths, args.out or default_path(args.paths))
+    for path in figures:
+        print(path)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 It launches like train_ddp.py and reports: which GPU each rank drives (unique per node), the
 backend and library versions, whether the data and the out-dir are usable on every node, the
 all-reduce bandwidth (with a warning when it looks like a socket fallback), and NCCL hints from
-the GPU topology. It exits 1 if a check fails, so a job script can stop before training. SIGTERM and Ctrl-C stop it at
-once: one line on stderr, exit status 128 + the signal's number (143, 130).
+the GPU topology. It exits 1 if a check fails, so a job script can stop before training. SIGTERM and Ctrl-C
+stop it at once: one line on stderr, exit status 128 + the signal's number (143, 130).
 
     srun --ntasks-per-node=1 python preflight.py --network node1:29500    # what jobs/preflight.sh runs first
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import dataset_utils as du
+from machinery import cifar_archive
 from machinery.errors import RendezvousError, UserError, all_gather
 from machinery.files import check_writable
 from machinery.launch import host_name, init_distributed, read_dist_env, route_source
@@ -41,15 +42,19 @@ from machinery.cli import run_tool
 def get_args_parser():
     p = argparse.ArgumentParser(description="Check GPUs, data, out-dir and interconnect on every rank.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100", help="as in train_ddp.py")
+    p.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                   help="as in train_ddp.py")
     p.add_argument("--data-dir", default="./datasets", help="as in train_ddp.py")
     p.add_argument("--out-dir", default="./runs/wrn", help="as in train_ddp.py")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="as in train_ddp.py")
-    p.add_argument("--timeout", type=float, default=300, help="seconds before a hung rendezvous or collective fails")
-    p.add_argument("--max-mib", type=int, default=256, help="largest all-reduce message for the bandwidth test")
-    p.add_argument("--network", metavar="HOST:PORT", help="only check the network, one process per node under "
-                   "srun: every node reaches HOST:PORT (the rendezvous; the first node listens there) and the "
-                   "interface that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME names")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="seconds before a hung rendezvous or collective fails")
+    p.add_argument("--max-mib", type=int, default=256,
+                   help="largest all-reduce message for the bandwidth test")
+    p.add_argument("--network", metavar="HOST:PORT",
+                   help="only check the network, one process per node under srun: every node reaches "
+                        "HOST:PORT (the rendezvous; the first node listens there) and the interface that "
+                        "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME names")
     return p
 
 
@@ -57,10 +62,10 @@ def check_data(dataset: str, data_dir: str) -> str | None:
     """None if this node can read the data, else what is wrong (without downloading anything)."""
     if dataset == "synthetic":
         return None
-    folder = os.path.join(data_dir, du.CIFAR100_FOLDER)
+    folder = os.path.join(data_dir, cifar_archive.CIFAR100_FOLDER)
     if all(os.access(os.path.join(folder, f), os.R_OK) for f in ("train", "test", "meta")):
         return None
-    archive = os.path.join(data_dir, du.CIFAR100_ARCHIVE)
+    archive = os.path.join(data_dir, cifar_archive.CIFAR100_ARCHIVE)
     if os.access(archive, os.R_OK):
         return None  # train_ddp.py verifies its md5 and extracts it
     return f"neither {folder}/ nor {archive} is readable here"
@@ -97,8 +102,8 @@ def topology_hints() -> list:
         return []
     gpu_rows = [line.split() for line in topo.splitlines() if line.startswith("GPU")]
     if any("SYS" in row[1:len(gpu_rows) + 1] for row in gpu_rows):
-        return ["some GPU pairs meet only across CPU sockets (SYS in nvidia-smi topo -m): if training hangs at "
-                "the first all-reduce, set NCCL_P2P_DISABLE=1 (DAIC needs it)"]
+        return ["some GPU pairs meet only across CPU sockets (SYS in nvidia-smi topo -m): if training hangs "
+                "at the first all-reduce, set NCCL_P2P_DISABLE=1 (DAIC needs it)"]
     return []
 
 
@@ -138,7 +143,8 @@ def check_interfaces(nodes: int, host: str, master_ip: str | None) -> list:
     have = interfaces()
     src = route_source(master_ip) if master_ip else None
     right = next((f"{n} {a}" for n, (lo, a) in have.items() if a and a == src and not lo), None)
-    fix = f"the interface that holds this node's address ({right})" if right else "an interface the other nodes reach"
+    fix = (f"the interface that holds this node's address ({right})" if right
+           else "an interface the other nodes reach")
     problems = []
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         value = os.environ.get(var)
@@ -154,8 +160,9 @@ def check_interfaces(nodes: int, host: str, master_ip: str | None) -> list:
             problems.append(f"{var}={value} names no interface on {host} (it has {', '.join(sorted(have))}): "
                             f"set it to {fix}, or unset it")
         elif nodes > 1 and all(have[n][0] for n in wanted):
-            problems.append(f"{var}={value} is the loopback interface, which the other nodes cannot reach: ranks on "
-                            f"different nodes could not connect to each other; set it to {fix}, or unset it")
+            problems.append(f"{var}={value} is the loopback interface, which the other nodes cannot reach: "
+                            f"ranks on different nodes could not connect to each other; set it to {fix}, or "
+                            f"unset it")
     return problems
 
 
@@ -163,7 +170,8 @@ def check_network(args, env=os.environ) -> int:
     """One process per node (srun --ntasks-per-node=1): the first node listens on the rendezvous
     port, every other node connects to the rendezvous address. Each reports what it found."""
     host = env.get("SLURMD_NODENAME") or socket.gethostname()
-    node, nodes = int(env.get("SLURM_NODEID", 0)), int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
+    node, nodes = (int(env.get("SLURM_NODEID", 0)),
+                   int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1))))
     name, _, port = args.network.rpartition(":")
     name, port = name.strip("[]"), int(port)
     problems = []
@@ -172,22 +180,23 @@ def check_network(args, env=os.environ) -> int:
         shown = f"{name}:{port} ({master_ip} from {host})" if master_ip != name else f"{name}:{port}"
     except socket.gaierror as e:
         master_ip, shown = None, f"{name}:{port}"
-        problems.append(f"cannot resolve the rendezvous host {name} on {host} ({e.strerror}): check /etc/hosts "
-                        f"or DNS there")
+        problems.append(f"cannot resolve the rendezvous host {name} on {host} ({e.strerror}): check "
+                        f"/etc/hosts or DNS there")
     problems += check_interfaces(nodes, host, master_ip)
     if nodes > 1 and node == 0:
         problems += listen_for_nodes(port, nodes - 1, args.timeout, shown)
     elif nodes > 1 and master_ip:
         if ipaddress.ip_address(master_ip).is_loopback:
-            problems.append(f"the rendezvous host {name} resolves to {master_ip} on {host}, a loopback address: "
-                            f"this node would wait for itself; fix /etc/hosts or DNS on {host}")
+            problems.append(f"the rendezvous host {name} resolves to {master_ip} on {host}, a loopback "
+                            f"address: this node would wait for itself; fix /etc/hosts or DNS on {host}")
         else:
             problems += reach_master(master_ip, port, host, args.timeout, shown)
     for p in problems:
         print(f"FAILED: network on {host}: {p}", file=sys.stderr, flush=True)
     if not problems:
         print(f"network on {host}: ok, rendezvous {shown}"
-              f"{f', reached by the {nodes - 1} other node(s)' if nodes > 1 and node == 0 else ''}", flush=True)
+              f"{f', reached by the {nodes - 1} other node(s)' if nodes > 1 and node == 0 else ''}",
+              flush=True)
     return 1 if problems else 0
 
 
@@ -197,7 +206,8 @@ def listen_for_nodes(port: int, expected: int, timeout: float, shown: str) -> li
     try:
         server = socket.create_server(("", port), family=family, dualstack_ipv6=family == socket.AF_INET6)
     except OSError as e:
-        return [f"cannot listen on the rendezvous port {port} ({e.strerror}): another job or process holds it"]
+        return [f"cannot listen on the rendezvous port {port} ({e.strerror}): another job or process "
+                f"holds it"]
     seen, deadline = [], time.monotonic() + timeout
     with server:
         while len(seen) < expected and (left := deadline - time.monotonic()) > 0:
@@ -215,8 +225,8 @@ def listen_for_nodes(port: int, expected: int, timeout: float, shown: str) -> li
                 except OSError:
                     pass
     if len(seen) < expected:
-        return [f"{expected - len(seen)} of {expected} other node(s) did not reach the rendezvous {shown} within "
-                f"{timeout:g} s (reached: {', '.join(seen) or 'none'}): see their own lines"]
+        return [f"{expected - len(seen)} of {expected} other node(s) did not reach the rendezvous {shown} "
+                f"within {timeout:g} s (reached: {', '.join(seen) or 'none'}): see their own lines"]
     return []
 
 
@@ -226,7 +236,8 @@ def reach_master(ip: str, port: int, host: str, timeout: float, shown: str) -> l
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((ip, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))) as c:
+            with socket.create_connection((ip, port),
+                                          timeout=max(0.1, min(5.0, deadline - time.monotonic()))) as c:
                 c.sendall(host.encode() + b"\n")
                 c.settimeout(5)
                 if c.recv(16).startswith(b"ok"):
@@ -235,9 +246,9 @@ def reach_master(ip: str, port: int, host: str, timeout: float, shown: str) -> l
         except OSError as e:
             last = e.strerror or type(e).__name__
         time.sleep(0.5)
-    return [f"the rendezvous {shown} did not answer within {timeout:g} s ({last}): the ranks would wait for it until "
-            f"--timeout; check that the first node's name resolves to an address this node reaches (getent hosts, "
-            f"/etc/hosts, DNS) and that no firewall drops the port"]
+    return [f"the rendezvous {shown} did not answer within {timeout:g} s ({last}): the ranks would wait for "
+            f"it until --timeout; check that the first node's name resolves to an address this node reaches "
+            f"(getent hosts, /etc/hosts, DNS) and that no firewall drops the port"]
 
 
 def main(args) -> int:
@@ -246,7 +257,8 @@ def main(args) -> int:
     try:
         env = init_distributed(args.device, args.timeout)
         device = env.device
-    except (RendezvousError, RuntimeError) as e:  # every rank says why: there is no process group to gather it
+    # every rank says why: there is no process group to gather it
+    except (RendezvousError, RuntimeError) as e:
         env = read_dist_env()  # as init_distributed read it (srun's variables adopted)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -270,13 +282,17 @@ def main(args) -> int:
         backend = dist.get_backend() if dist.is_initialized() else "none (one process)"
         log(f"backend {backend}; torch {torch.__version__}; CUDA {torch.version.cuda}; "
             f"NCCL {'.'.join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else '-'}; "
-            f"cuDNN {torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}; world size {env.world_size}")
-        log(f"{'rank':>4} {'local':>5} {'host':<16} {'device':<8} {'gpu':<28} {'pci address':<14} data / out-dir")
+            f"cuDNN {torch.backends.cudnn.version() if torch.cuda.is_available() else '-'}; "
+            f"world size {env.world_size}")
+        log(f"{'rank':>4} {'local':>5} {'host':<16} {'device':<8} {'gpu':<28} {'pci address':<14} "
+            f"data / out-dir")
         for r in ranks:
-            status = "ok" if not (r["data"] or r["out_dir"]) else "; ".join(x for x in (r["data"], r["out_dir"]) if x)
+            status = ("ok" if not (r["data"] or r["out_dir"])
+                      else "; ".join(x for x in (r["data"], r["out_dir"]) if x))
             log(f"{r['rank']:>4} {r['local_rank']:>5} {r['host']:<16} {r['device']:<8} {r['gpu'][:28]:<28} "
                 f"{r['bus_id']:<14} {status}")
-        problems = [f"rank {r['rank']} on {r['host']}: {x}" for r in ranks for x in (r["data"], r["out_dir"]) if x]
+        problems = [f"rank {r['rank']} on {r['host']}: {x}"
+                    for r in ranks for x in (r["data"], r["out_dir"]) if x]
         seen = {}
         for r in ranks:
             if r["device"] != "cpu":
@@ -291,11 +307,11 @@ def main(args) -> int:
             best = max(gbs for _, gbs in bw)
             nodes = len({r["host"] for r in ranks})
             if device.type == "cuda" and nodes > 1 and best < 5:
-                log(f"warning: {best:.1f} GB/s between nodes looks like TCP sockets, not InfiniBand/RoCE: check "
-                    f"NCCL_DEBUG=INFO for 'NET/Socket', and NCCL_IB_HCA / NCCL_SOCKET_IFNAME")
+                log(f"warning: {best:.1f} GB/s between nodes looks like TCP sockets, not InfiniBand/RoCE: "
+                    f"check NCCL_DEBUG=INFO for 'NET/Socket', and NCCL_IB_HCA / NCCL_SOCKET_IFNAME")
             elif device.type == "cuda" and nodes == 1 and best < 20:
-                log(f"warning: {best:.1f} GB/s within one node suggests no NVLink/P2P: check nvidia-smi topo -m "
-                    f"and whether NCCL_P2P_DISABLE is set")
+                log(f"warning: {best:.1f} GB/s within one node suggests no NVLink/P2P: check "
+                    f"nvidia-smi topo -m and whether NCCL_P2P_DISABLE is set")
         for hint in sorted({h for r in ranks for h in r["hints"]}):
             log(f"hint: {hint}")
         nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
@@ -312,4 +328,5 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_tool(main, get_args_parser()))  # SIGTERM and Ctrl-C: out at once in one line; bad input: one line
+    # SIGTERM and Ctrl-C: out at once in one line; bad input: one line
+    sys.exit(run_tool(main, get_args_parser()))

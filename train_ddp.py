@@ -26,26 +26,27 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dataset_utils
 import train_utils as utils
-from config import RECIPES, get_args_parser  # the flags (one flat argparse config) and --recipe's named presets
+# the flags, their checks, the run's config
+from config import RECIPES, check_args, get_args_parser, make_config
 from model import WideResNet
 
 
 def build_model(cfg, data) -> nn.Module:
-    # ADAPT (1/2): your model here, taking its input channels and classes from `data` (a DataSpec); in model_config
-    # what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
+    # ADAPT (1/2): your model here, taking its input channels and classes from `data` (a DataSpec); in
+    # model_config what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
     return WideResNet(cfg.depth, cfg.widen_factor, num_classes=data.num_classes, dropout=cfg.dropout,
                       in_channels=data.channels)
 
 
 def model_config(cfg, data) -> dict:
-    return {"name": f"WRN-{cfg.depth}-{cfg.widen_factor}", "depth": cfg.depth, "widen_factor": cfg.widen_factor,
-            "in_channels": data.channels, "num_classes": data.num_classes}
+    return {"name": f"WRN-{cfg.depth}-{cfg.widen_factor}", "depth": cfg.depth,
+            "widen_factor": cfg.widen_factor, "in_channels": data.channels, "num_classes": data.num_classes}
 
 
 def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
-    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
+    not asked for. The rest follows from what this returns: see train_utils.measure_data."""
     # ADAPT (2/2): your data here.
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
@@ -64,52 +65,52 @@ class Training:
     train_loader: object
     test_loader: object
     val_loader: object = None  # --val-size: the held-out training samples, scored as the test set is
-    ema: AveragedModel | None = None  # --model-ema: the average of the weights and buffers, evaluated and saved
+    # --model-ema: the average of the weights and buffers, evaluated and saved
+    ema: AveragedModel | None = None
 
 
 def build_training(cfg, env, data) -> Training:
     """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(),
-    --evaluate and bench.py. `data`: dataset_utils.load_checked_data's (its train split may be None)."""
+    --evaluate and bench.py. `data`: utils.load_checked_data's (its train split may be None)."""
     device = env.device
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg, data.spec)
     if cfg.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     # On CUDA the model is kept channels_last, the layout cuDNN's fastest convolutions want.
-    model = model.to(device, memory_format=torch.channels_last if device.type == "cuda" else torch.preserve_format)
+    model = model.to(device, memory_format=torch.channels_last if env.cuda else torch.preserve_format)
     params = model.parameters()
     if cfg.norm_weight_decay is not None:  # biases and norm layers' scales and shifts: the 1-d tensors
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
-                  {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": cfg.norm_weight_decay}]
+                  {"params": [p for p in model.parameters() if p.dim() <= 1],
+                   "weight_decay": cfg.norm_weight_decay}]
     optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
-                                weight_decay=cfg.weight_decay, fused=device.type == "cuda")  # LR: set every step
+                                weight_decay=cfg.weight_decay, fused=env.cuda)  # LR: set every step
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
-    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each
-    # rank its share of every global batch, a new order per epoch; unlike it, it pads nothing, deals micro-batches
-    # as virtual ranks (accumulation trains as more GPUs would), starts mid-epoch. Test: rank r scores r, r + W, ...
-    # The modern recipe's augmentation (transforms.py) is keyed like the crop and flip: per sample on (seed, epoch,
-    # index), mixup/cutmix per micro-batch on its virtual rank; so it too trains alike for any ranks x micro-steps.
-    augment = {k: cfg.flags[k] for k in ("auto_augment", "random_erase", "mixup_alpha", "cutmix_alpha")}
-    train_loader, test_loader, *val_loader = dataset_utils.build_loaders(
-        data.train, data.test, batch_size=cfg.batch_size, rank=env.rank, world_size=env.world_size,
-        accum_steps=cfg.accumulation_steps, eval_batch=cfg.eval_batch, seed=cfg.seed, workers=cfg.num_workers,
-        pin_memory=device.type == "cuda", device=data.device, skip_bad_samples=cfg.skip_bad_samples, val=data.val,
-        augment=augment, spec=data.spec)
-    normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=device.type == "cuda")
-    # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step, cfg.ema_decay).
+    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch):
+    # each rank its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r,
+    # r + W, ...
+    train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env)
+    normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=env.cuda)
+    # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step,
+    # cfg.ema_decay).
     ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
            if cfg.model_ema else None)
-    return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader, *val_loader, ema=ema)
+    return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader, val_loader,
+                    ema=ema)
 
 
-def train_step(model, images, labels, *, training: Training, cfg, micro_sizes, step_samples, step_log):
-    """One optimizer step on this rank's share of a global batch of `step_samples` samples, in micro-batches
-    of `micro_sizes` (EpochSampler.step_split); `step_log` (utils.StepLog) times its phases; `labels`: classes,
-    or soft targets (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and
-    with --clip-grad-norm the gradients' norm): a read on the host would stall the GPU."""
-    normalize, optimizer, scaler, loss_fn = training.normalize, training.optimizer, training.scaler, training.loss_fn
+def train_step(model, images, labels, *, split, training: Training, run) -> torch.Tensor:
+    """One optimizer step on this rank's share of a global batch: `split` (EpochSampler.step_split) is the
+    step's samples over all ranks and this rank's micro-batch sizes; `labels`: classes, or soft targets
+    (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and with
+    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. run.step_log times its
+    phases."""
+    normalize, optimizer, scaler, loss_fn = (training.normalize, training.optimizer, training.scaler,
+                                             training.loss_fn)
+    (step_samples, micro_sizes), cfg, step_log = split, run.cfg, run.step_log
     device, amp_dtype = normalize.scale.device, cfg.amp_dtype
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
@@ -123,20 +124,23 @@ def train_step(model, images, labels, *, training: Training, cfg, micro_sizes, s
         # DDP all-reduces the gradients in the last micro-step's backward, overlapped; the others accumulate.
         with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss = loss_fn(model(x), y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
+                logits = model(x)
+                loss = loss_fn(logits, y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
-        stats = stats + utils.step_stats(loss.detach(), len(y))
+        hits = (logits.detach().argmax(1) == (y if y.dim() == 1 else y.argmax(1))).sum()  # soft: larger share
+        stats = stats + utils.step_stats(loss.detach(), len(y), correct=hits)
         # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks, rank
-        # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw only
-        # virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
+        # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw
+        # only virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
             kept_buffers = [b.detach().clone() for b in model.buffers()]
     step_log.mark_backward()  # forward and backward, then the all-reduce's tail that backward did not hide
     for buffer, kept in zip(model.buffers(), kept_buffers or []):
         buffer.copy_(kept)
-    if cfg.clip_grad_norm:  # the norm of the all-reduced gradients, the same on every rank; fp16: unscaled first
+    if cfg.clip_grad_norm:  # the all-reduced gradients' norm, the same on every rank; fp16: unscaled first
         scaler.unscale_(optimizer)
-        stats += utils.step_stats(grad_norm=nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm))
+        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+        stats += utils.step_stats(grad_norm=norm, counted=run.env.is_main)  # counted once
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
     if training.ema is not None:  # the same update on every rank: the weights are the same after the step
@@ -145,53 +149,54 @@ def train_step(model, images, labels, *, training: Training, cfg, micro_sizes, s
     return stats
 
 
-def train_one_epoch(model, training: Training, *, cfg, epoch, progress, stop, checkpoint, step_log) -> bool:
-    """Train the rest of `epoch` from progress.position (`step_log`: progress lines, time split). True if the
-    ranks agreed to stop (a stop request), with a checkpoint saved; UserError if the loss went non-finite."""
+def train_one_epoch(model, training: Training, run, *, epoch: int) -> bool:
+    """Train the rest of `epoch` from run.progress.position (run: utils.RunControl). True if the ranks agreed
+    to stop (a stop request), with a checkpoint saved; UserError if the loss went non-finite."""
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
+    cfg, progress = run.cfg, run.progress
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
-    loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # after a resume: the rest
-    # Loss sum over finite losses, their n, and all n. A resumed epoch's sums so far count once: on rank 0.
-    first = not dist.is_initialized() or dist.get_rank() == 0
-    sums = torch.tensor(progress.sums if first else [0.0] * len(progress.sums), dtype=torch.float64, device=device)
-    steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + the steps left from the start set
-    t0 = time.perf_counter() - progress.elapsed_s
-    step_log.start()
+    loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # resumed: rest
+    # The epoch's sums (utils.EPOCH_SUMS). A resumed epoch's sums so far count once: on rank 0.
+    sums = torch.tensor(progress.sums if run.env.is_main else [0.0] * len(progress.sums), dtype=torch.float64,
+                        device=device)
+    steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + steps left from the start
+    run.epoch_start = time.perf_counter() - progress.elapsed_s
+    run.step_log.start()
     for images, labels in loader:
-        step_samples, micro_sizes = loader.step_split(progress.position)  # the last step may be short; unread: gaps
-        done = progress.position + step_samples
+        split = loader.step_split(progress.position)  # the last step may be short; unread samples: gaps
+        done = progress.position + split[0]
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
         # so a resume with another batch size keeps its schedule.
-        lr = cfg.lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n, epochs=cfg.epochs,
-                                      warmup_epochs=cfg.warmup_epochs, schedule=cfg.lr_schedule)
+        lr = cfg.lr * utils.lr_factor(epoch - 1 + progress.position / n, epoch - 1 + done / n,
+                                      epochs=cfg.epochs, warmup_epochs=cfg.warmup_epochs,
+                                      schedule=cfg.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums += train_step(model, images, labels, training=training, cfg=cfg, micro_sizes=micro_sizes,
-                           step_samples=step_samples, step_log=step_log)
+        sums += train_step(model, images, labels, split=split, training=training, run=run)
         progress.position, progress.step = done, progress.step + 1
-        step_log.update(epoch, progress.step, steps_per_epoch, done, sums, t0)  # a progress line, if due
-        if utils.stop_or_checkpoint_mid_epoch(progress, sums, t0=t0, cfg=cfg, stop=stop, checkpoint=checkpoint,
-                                              loader=loader, allow_nonfinite=training.scaler.is_enabled()):
+        run.step_log.update(epoch, progress.step, steps_per_epoch, done, sums, run.epoch_start)  # line if due
+        if run.checkpoint_or_stop_mid_epoch(sums, loader=loader,
+                                            allow_nonfinite=training.scaler.is_enabled()):
             return True
-        step_log.end_step()
-    # The epoch's loss sums over all ranks: this waits for the slowest rank (the original's barrier): an honest time.
+        run.step_log.end_step()
+    # The epoch's sums over all ranks: this waits for the slowest rank (the original's barrier): honest time.
     if dist.is_initialized():
         dist.all_reduce(sums)
-    step_log.end_epoch()
-    progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - t0
+    run.step_log.end_epoch()
+    progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - run.epoch_start
     return False
 
 
 @torch.no_grad()
 def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: bool = False) -> dict:
-    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and
-    the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare model: DDP's
-    forward may broadcast, and a rank with an empty shard would not join. The count check: every image once.
-    `tta`: each image's logits averaged with its mirror's."""
+    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard,
+    and the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare
+    model: DDP's forward may broadcast, and a rank with an empty shard would not join. The count check: every
+    image once. `tta`: each image's logits averaged with its mirror's."""
     device = normalize.scale.device
-    # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does not
-    # re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
+    # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does
+    # not re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -205,15 +210,19 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
             if tta:
                 logits = (logits + model(images.flip(3))) / 2
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
-        batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
-        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(), batch_count])
+        # is the k-th best guess right?
+        hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]
+        # on the device: no sync
+        batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)
+        sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
+                             batch_count])
     if dist.is_initialized():
         dist.all_reduce(sums)  # sums, not means: exact whatever the shards' sizes
     loss_sum, top1, top5, count = sums.tolist()
     if int(count) != expected_count:
         raise RuntimeError(f"evaluation scored {int(count)} images, but the split has {expected_count}")
-    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5 / count, "val_count": int(count)}
+    return {"val_loss": loss_sum / count, "val_acc": top1 / count, "val_top5": top5 / count,
+            "val_count": int(count)}
 
 
 def train(cfg, env, found, lock) -> int:
@@ -223,8 +232,8 @@ def train(cfg, env, found, lock) -> int:
     if found.finished:  # a finished run rerun with the same command (a requeue, say): nothing to train
         utils.log(found.finished)
         return 0
-    data = dataset_utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
-    utils.log_start(cfg, env, data, found, parser=get_args_parser())  # the original script's first lines, LR, data
+    data = utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
+    utils.log_start(cfg, env, data, found, parser=get_args_parser())  # the original's first lines, LR, data
     training = build_training(cfg, env, data)
     model = training.model  # the bare model: checkpoints hold it; evaluate() scores it, or its weight EMA
     eval_model = training.ema.module if training.ema is not None else model
@@ -233,46 +242,54 @@ def train(cfg, env, found, lock) -> int:
     # What a checkpoint holds. ADAPT: register other state a resume needs (checkpoint.add).
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
                                   model=model, optimizer=training.optimizer, scaler=training.scaler)
-    checkpoint.add("model_ema", training.ema, when_absent="the average starts from the weights")  # if --model-ema
+    checkpoint.add("model_ema", training.ema, when_absent="the average starts from the weights")  # if on
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
-    # Progress lines, and where each rank's step time goes, side by side at each epoch's end (--profile: traces).
-    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile")
+    # Progress lines with the run's ETA, and where each rank's step time goes (--profile: traces).
+    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
+                             epochs=cfg.epochs)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
-        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
-        # statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads them needs it.
-        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm
+        # running statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads
+        # them needs it.
+        model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
                     gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
                     **utils.NO_FORWARD_BUFFER_SYNC)
-        step_log.watch_ddp(model)  # DDP's own all-reduce, timed; parameters left out of the loss said in one line
+        step_log.watch_ddp(model)  # DDP's all-reduce, timed; parameters left out of the loss said in a line
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = torch.compile(model, dynamic=False), torch.compile(eval_model, dynamic=False)
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
-    run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, metrics, ...
+    run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
     with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
+        run = utils.RunControl(cfg, env, progress, stop, checkpoint, step_log)  # what steers the loop
         for epoch in progress.epochs_left(cfg.epochs):
-            if train_one_epoch(model, training, cfg=cfg, epoch=epoch, progress=progress, stop=stop,
-                               checkpoint=checkpoint, step_log=step_log):
+            if train_one_epoch(model, training, run, epoch=epoch):
                 return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
-            stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN raises
-            score = functools.partial(evaluate, eval_model, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
-                                      tta=cfg.tta)
-            val = score(training.test_loader, expected_count=len(data.test))  # the original script's "validation"
-            if training.val_loader is not None:  # --val-size: the held-out split validates; the test set only reports
+            stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN errs
+            score = functools.partial(evaluate, eval_model, normalize=training.normalize,
+                                      amp_dtype=cfg.amp_dtype, tta=cfg.tta)
+            val = score(training.test_loader, expected_count=len(data.test))  # the original's "validation"
+            if training.val_loader is not None:  # --val-size: the held-out split validates, the test reports
                 test = {k.replace("val_", "test_"): v for k, v in val.items()}
                 val = {**score(training.val_loader, expected_count=len(data.val)), **test}
             metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg,
                                             timing=step_log.finish_epoch(env.rank))  # every rank's time split
-            utils.log_epoch(metrics, cfg.epochs)  # the original script's four lines, and a rank that held others back
+            utils.log_epoch(metrics, cfg.epochs, top5=data.spec.num_classes > 5)  # the original's four lines
+            progress.stopped_early = progress.reached_target(cfg.target_accuracy, cfg.patience)
+            finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
+            # ADAPT: an option that finalises its state at the end of training does it here, `if finished:`,
+            # before the last checkpoint and the summary (SWA: utils.recompute_bn_stats on its average, then
+            # its score).
             checkpoint.save(progress)
             run_files.add_epoch(metrics)
-            if progress.stopped_early:
-                utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
+            if finished:
+                if progress.stopped_early:
+                    utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
                 break
             if stopping and epoch < cfg.epochs:  # a stop request at the epoch's end
-                stop.say_stopped(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; exiting with "
-                                 f"status {stop.exit_status} to be resumed.")
+                stop.say_stopped(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; "
+                                 f"exiting with status {stop.exit_status} to be resumed.")
                 return stop.exit_status
             if epoch == cfg.stop_after_epoch and epoch < cfg.epochs:
                 utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
@@ -283,33 +300,39 @@ def train(cfg, env, found, lock) -> int:
 
 def evaluate_checkpoint(cfg, env, found) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
-    data = dataset_utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
+    data = utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
     training = build_training(cfg, env, data)
-    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model)
-    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")  # what it scores, if any
-    progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
+    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec),
+                                  model=training.model)
+    # what it scores, if any
+    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")
+    # the weights (and the model it must be) only: nothing else registered
+    progress = checkpoint.restore(found)
     scores_ema = training.ema is not None and bool(training.ema.n_averaged)
     model = training.ema.module if scores_ema else training.model
     model = torch.compile(model, dynamic=False) if cfg.compile else model
     utils.log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
-              f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with {env.world_size} "
-              f"process{'es' if env.world_size > 1 else ''}")
+              f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with "
+              f"{env.world_size} process{'es' if env.world_size > 1 else ''}")
     metrics = evaluate(model, training.test_loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
                        expected_count=len(data.test), tta=cfg.tta)
-    utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path)  # eval.json
+    utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path,
+                                    top5=data.spec.num_classes > 5)  # and eval.json
     return 0
 
 
 def main(args, explicit=frozenset()) -> int:
     """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
-    evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a write)."""
+    evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
+    write)."""
     lock = None
     try:
         env = utils.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
-        utils.check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
+        check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir
-        found = utils.find_checkpoint(args, explicit, env)  # the checkpoint to continue, and the flags it rules
-        cfg = utils.make_config(args, env, found)  # every flag and what the world makes of them, computed once
+        # the checkpoint to continue, and the flags it rules
+        found = utils.find_checkpoint(args, explicit, env)
+        cfg = make_config(args, env, found)  # every flag and what the world makes of them, computed once
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)
     except utils.UserError as e:
@@ -322,4 +345,5 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line
+    # flags and --recipe; Ctrl-C, dead peers in a line
+    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))

@@ -1,4 +1,4 @@
-"""Augmentation keyed on a hash: the random draws of the crop and flip (dataset_utils), of TrivialAugmentWide
+"""Augmentation keyed on a hash: the random draws of the crop and flip, of TrivialAugmentWide
 (--auto-augment ta_wide) and random erasing (--random-erase) per sample, and of mixup and cutmix
 (--mixup-alpha, --cutmix-alpha) per micro-batch.
 
@@ -43,22 +43,70 @@ def mix64(seed: int, epoch: int, idx):
     return h
 
 
+# The augmentation, in one place: zero-pad by an eighth of each side (at least 1 pixel; 4 for 32, as in the
+# WRN paper), crop back to the image's size at an offset drawn from the hash, and mirror left-right on
+# one bit of it. crop_flip (one image, the CPU workers) and crop_flip_batch (a batch, on the device)
+# cut the same pixels for the same hash.
+
+def crop_padding(height: int, width: int) -> tuple:
+    """The random crop's zero padding (rows, columns) on each side for an image of this size."""
+    return max(1, height // 8), max(1, width // 8)
+
+
+def crop_params(h, pad: tuple):
+    """Crop offsets x in 0..2*pad_x and y in 0..2*pad_y of the padded image, and flip (0/1), from a hash
+    (int or tensor)."""
+    pad_y, pad_x = pad
+    return (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
+
+
+def pad_images(images: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """Zero-pad the last two dims, once up front, so that a random crop is a slice or a gather."""
+    pad_y, pad_x = pad
+    return torch.nn.functional.pad(images, (pad_x, pad_x, pad_y, pad_y))
+
+
+def crop_flip(padded: torch.Tensor, h: int, pad: tuple) -> torch.Tensor:
+    """One padded image (C, H + 2 pad_y, W + 2 pad_x) -> its random (C, H, W) crop, maybe mirrored."""
+    dx, dy, flip = crop_params(h, pad)
+    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
+    img = padded[:, dy:dy + height, dx:dx + width]
+    return img.flip(-1) if flip else img
+
+
+def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """crop_flip for a batch, as tensor ops on the device: gather the images `idx` of the padded
+    (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, then their rows and (possibly mirrored) columns."""
+    dx, dy, flip = crop_params(h, pad)
+    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
+    across = torch.arange(width, device=padded.device)
+    rows = dy[:, None] + torch.arange(height, device=padded.device)
+    cols = dx[:, None] + torch.where(flip[:, None].bool(), width - 1 - across, across)
+    x = padded[idx]
+    b, c = x.shape[:2]
+    x = x.gather(2, rows[:, None, :, None].expand(b, c, height, x.shape[3]))
+    return x.gather(3, cols[:, None, None, :].expand(b, c, height, width))
+
+
 def _bits(h: torch.Tensor, shift: int, n: int) -> torch.Tensor:
     """n bits of the int64 hashes h from bit `shift` (shift + n <= 63)."""
     return (h >> shift) & ((1 << n) - 1)
 
 
-# ------------------------------------------------------------------ per sample: TrivialAugmentWide, random erasing
+# ------------------------------------------------------------- per sample: TrivialAugmentWide, random erasing
 
-# TrivialAugmentWide (Mueller & Hutter 2021; torchvision's TrivialAugmentWide): one op per image, drawn uniformly,
-# at one of 31 magnitudes, signed where marked, with torchvision's ranges and nearest-neighbour geometry, zero fill.
-TA_WIDE = (("identity", 0.0, False), ("shear_x", 0.99, True), ("shear_y", 0.99, True), ("translate_x", 32.0, True),
-           ("translate_y", 32.0, True), ("rotate", 135.0, True), ("brightness", 0.99, True), ("color", 0.99, True),
-           ("contrast", 0.99, True), ("sharpness", 0.99, True), ("posterize", 0.0, False), ("solarize", 0.0, False),
+# TrivialAugmentWide (Mueller & Hutter 2021; torchvision's TrivialAugmentWide): one op per image, drawn
+# uniformly, at one of 31 magnitudes, signed where marked, with torchvision's ranges and nearest-neighbour
+# geometry, zero fill.
+TA_WIDE = (("identity", 0.0, False), ("shear_x", 0.99, True), ("shear_y", 0.99, True),
+           ("translate_x", 32.0, True), ("translate_y", 32.0, True), ("rotate", 135.0, True),
+           ("brightness", 0.99, True), ("color", 0.99, True), ("contrast", 0.99, True),
+           ("sharpness", 0.99, True), ("posterize", 0.0, False), ("solarize", 0.0, False),
            ("autocontrast", 0.0, False), ("equalize", 0.0, False))
 BINS = 31
 ONE = 1 << 16  # the affine matrices' fixed point
-ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)  # torchvision's RandomErasing: area fraction, aspect ratio
+# torchvision's RandomErasing: area fraction, aspect ratio
+ERASE_SCALE, ERASE_RATIO = (0.02, 0.33), (0.3, 3.3)
 _SALT_TA, _SALT_ERASE, _SALT_MIX = 1, 2, 3
 
 
@@ -72,7 +120,8 @@ class Augment:
                  fill: tuple = (0,)):
         channels, height, width = image_shape
         self.auto_augment, self.random_erase = auto_augment, random_erase
-        self.tables = {"fill": torch.tensor(fill, dtype=torch.uint8).view(1, -1, 1, 1).expand(1, channels, 1, 1)}
+        self.tables = {
+            "fill": torch.tensor(fill, dtype=torch.uint8).view(1, -1, 1, 1).expand(1, channels, 1, 1)}
         if auto_augment:
             self.tables.update(_ta_tables(height, width))
         if random_erase:
@@ -126,17 +175,20 @@ def _ta_tables(height: int, width: int) -> dict:
                 mask.append((0xFF << (8 - bits)) & 0xFF)
                 threshold.append(math.ceil(255.0 * (1 - b / (BINS - 1))) if name == "solarize" else 256)
     as_int = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-    return {"affine": as_int(affine), "factor": as_int(factor), "mask": as_int(mask), "threshold": as_int(threshold)}
+    return {"affine": as_int(affine), "factor": as_int(factor), "mask": as_int(mask),
+            "threshold": as_int(threshold)}
 
 
 def trivial_augment(x: torch.Tensor, h: torch.Tensor, tables: dict) -> torch.Tensor:
-    """One TrivialAugmentWide op per image of the uint8 batch x, drawn from the hashes h; integer arithmetic."""
+    """One TrivialAugmentWide op per image of the uint8 batch x, drawn from the hashes h; integer
+    arithmetic."""
     n, c, height, width = x.shape
     op, b, sign = _bits(h, 0, 16) % len(TA_WIDE), _bits(h, 16, 16) % BINS, _bits(h, 32, 1)
     row = (op * BINS + b) * 2 + sign
     # Geometry: each output pixel takes its source pixel's value (nearest), 0 outside the image.
     a = tables["affine"][row][:, :, None]  # (N, 6, 1)
-    ys, xs = torch.meshgrid(torch.arange(height, device=x.device), torch.arange(width, device=x.device), indexing="ij")
+    ys, xs = torch.meshgrid(torch.arange(height, device=x.device), torch.arange(width, device=x.device),
+                            indexing="ij")
     xs, ys = xs.reshape(1, -1), ys.reshape(1, -1)
     sx = (a[:, 0] * xs + a[:, 1] * ys + a[:, 2] + ONE // 2) >> 16
     sy = (a[:, 3] * xs + a[:, 4] * ys + a[:, 5] + ONE // 2) >> 16
@@ -173,7 +225,8 @@ def _erase_table(height: int, width: int) -> torch.Tensor:
     for i in range(256):
         for j in range(256):
             s = ERASE_SCALE[0] + (ERASE_SCALE[1] - ERASE_SCALE[0]) * (i + 0.5) / 256
-            r = math.exp(math.log(ERASE_RATIO[0]) + math.log(ERASE_RATIO[1] / ERASE_RATIO[0]) * (j + 0.5) / 256)
+            r = math.exp(math.log(ERASE_RATIO[0])
+                         + math.log(ERASE_RATIO[1] / ERASE_RATIO[0]) * (j + 0.5) / 256)
             sizes.append([min(height, max(1, round(math.sqrt(s * area * r)))),
                           min(width, max(1, round(math.sqrt(s * area / r))))])
     return torch.tensor(sizes, dtype=torch.int64)
@@ -216,8 +269,8 @@ class Mix:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, *, epoch: int, position: int,
                  micro_sizes: list) -> tuple:
-        """A step's uint8 images and class labels on this rank (its micro-batches back to back) -> mixed images,
-        soft targets (N, classes) float32."""
+        """A step's uint8 images and class labels on this rank (its micro-batches back to back) -> mixed
+        images, soft targets (N, classes) float32."""
         if not self.active:
             return images, labels
         targets = torch.nn.functional.one_hot(labels, self.num_classes).float()

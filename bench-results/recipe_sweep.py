@@ -20,31 +20,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FASHION = "/usr/share/datasets/fashion-mnist"
-sys.path.insert(0, ROOT)
-from config import RECIPES, WRN_PAPER  # noqa: E402 - the project's, from ROOT
 
 
-def preset_flags(name: str) -> list:
-    """The flags a preset adds to the WRN paper's recipe (--recipe modern's options), as a command line."""
-    extra = {k: v for k, v in RECIPES[name].items() if k not in WRN_PAPER}
-    return [a for k, v in extra.items() for a in (["--" + k.replace("_", "-")] if v is True else
-                                                  ["--" + k.replace("_", "-"), str(v)])]
-
-
-# What every run shares (--regime): "short", a WRN-10-2 on the first 1,000 training images for 24 epochs, batch 64
-# at LR 0.05 (0.1 per 128) with the cosine schedule, each epoch scored on the first 2,000 test images, about 50 s
-# of training on 2 CPU cores; it still underfits at its end (train loss 0.46, test loss 0.56). "long": the first
-# 500 images for 60 epochs, each epoch scored on the first 1,000 test images: a model that fits its few training
-# images, the regime where a regulariser can pay (on many images for few epochs a model underfits, and none can).
-# The final weights of both are scored on all 10,000 test images: on 1,000, two models of one configuration
-# differ by about 0.8 points from which borderline images they happen to get right, as much as an option gains.
+COMMON = ["--depth", "10", "--widen-factor", "2", "--batch-size", "64", "--base-lr", "0.1",
+          "--reference-batch-size", "128", "--log-every", "0", "--target-accuracy", "1.0"]
 REGIMES = {
-    "short": ["--depth", "10", "--widen-factor", "2", "--train-size", "1000", "--test-size", "2000", "--epochs", "24",
-              "--batch-size", "64", "--base-lr", "0.1", "--reference-batch-size", "128", "--log-every", "0",
-              "--target-accuracy", "1.0"],
-    "long": ["--depth", "10", "--widen-factor", "2", "--train-size", "500", "--test-size", "1000", "--epochs", "60",
-             "--batch-size", "64", "--base-lr", "0.1", "--reference-batch-size", "128", "--log-every", "0",
-             "--target-accuracy", "1.0"],
+    "few": COMMON + ["--train-size", "250", "--test-size", "500", "--epochs", "120"],
+    "long": COMMON + ["--train-size", "500", "--test-size", "1000", "--epochs", "60"],
+    "short": COMMON + ["--train-size", "1000", "--test-size", "2000", "--epochs", "24"],
+    "more": COMMON + ["--train-size", "5000", "--test-size", "2000", "--epochs", "10"],
 }
 
 CONFIGS = {
@@ -56,8 +40,15 @@ CONFIGS = {
     "mixup": ["--mixup-alpha", "0.2"],
     "cutmix": ["--cutmix-alpha", "1.0"],
     "norm-weight-decay-0": ["--norm-weight-decay", "0"],
-    "tta": ["--tta"],  # evaluation only: the baseline's runs scored again (--evaluate --tta), not trained again
-    "modern": preset_flags("modern"),  # --recipe modern's options on this regime
+    # --recipe modern's options until 2026-11-25, when the rule of bench-results/README.md dropped mixup
+    "modern": ["--mixup-alpha", "0.2", "--tta"],
+}
+
+# Configurations that train nothing: another configuration's final weights scored again with other evaluation
+# flags.
+DERIVED = {
+    "tta": ("baseline", ["--tta"]),  # the mirror alone: the baseline's weights scored with it
+    "modern-no-tta": ("modern", ["--no-tta"]),  # mixup alone: the preset's weights scored without the mirror
 }
 
 
@@ -81,12 +72,14 @@ def write_script(folder: str) -> str:
     return path
 
 
-def score_whole_test_set(script: str, out: str, env: dict, tta: bool = False) -> float:
-    """The final weights in `out` scored on all the test images (with the mirror if `tta`), once: cached in out."""
-    path = os.path.join(out, "whole-test-tta.json" if tta else "whole-test.json")
+def score_whole_test_set(script: str, out: str, env: dict, eval_flags: tuple = ()) -> float:
+    """The final weights in `out` scored on all the test images (with `eval_flags`, else as the run
+    evaluated), once: cached in out."""
+    path = os.path.join(out, "whole-test" + "".join(eval_flags).replace("--", "-") + ".json")
     if not os.path.exists(path):
-        subprocess.run([sys.executable, script, "--evaluate", "--test-size", "0", "--loader", "gpu", *["--tta"] * tta,
-                        "--data-dir", FASHION, "--out-dir", out], env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, script, "--evaluate", "--test-size", "0", "--loader", "gpu",
+                        *eval_flags, "--data-dir", FASHION, "--out-dir", out], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
         os.replace(os.path.join(out, "eval.json"), path)
     with open(path) as f:
         result = json.load(f)
@@ -100,12 +93,103 @@ def summarise(accs: list) -> str:
 
 
 def compare(accs: list, base: list | None) -> str:
-    """The difference of the means, its standard error (Welch's, from both spreads) and their ratio, Welch's t."""
+    """The difference of the means, its standard error (Welch's, from both spreads) and their ratio, Welch's
+    t."""
     if not base or accs is base or len(accs) < 2 or len(base) < 2:
         return ""
     diff = statistics.mean(accs) - statistics.mean(base)
     se = (statistics.variance(accs) / len(accs) + statistics.variance(base) / len(base)) ** 0.5
     return f"{diff:+.2f} ± {se:.2f} (t = {diff / se:.1f})"
+
+
+# against the baseline, the paper's recipe (bench-results/README.md)
+CANDIDATES = ("modern", "modern-no-tta", "tta")
+LABELS = {"baseline": "paper's recipe", "modern": "mixup + mirror (old preset)",
+          "modern-no-tta": "mixup alone",
+          "tta": "mirror alone"}
+REGIME_TEXT = {"few": "250 images, 120 epochs", "long": "500 images, 60 epochs",
+               "short": "1,000 images, 24 epochs", "more": "5,000 images, 10 epochs"}
+
+
+def read_runs(paths: list, rename: dict) -> tuple:
+    """Every run of the JSON files, configurations renamed (`rename`: old -> new); a (configuration, seed) met
+    again must have the same accuracy (a rerun of the same training), else it is reported. Returns (rows by
+    (configuration, seed), the mismatches)."""
+    rows, mismatches = {}, []
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["runs"]:
+                key = (rename.get(r["config"], r["config"]), r["seed"])
+                if key in rows and rows[key]["final_test_acc"] != r["final_test_acc"]:
+                    mismatches.append((key, rows[key]["final_test_acc"], r["final_test_acc"], path))
+                rows.setdefault(key, {**r, "config": key[0], "from": os.path.basename(path)})
+    return rows, mismatches
+
+
+def welch(accs: list, base: list) -> tuple:
+    diff = statistics.mean(accs) - statistics.mean(base)
+    se = (statistics.variance(accs) / len(accs) + statistics.variance(base) / len(base)) ** 0.5
+    return diff, se, diff / se
+
+
+def report(regimes: dict, rename: dict, figure: str | None, merged_dir: str | None) -> int:
+    """The tables per regime, the decision rule of bench-results/README.md applied to each candidate, and the
+    figure of the final accuracy of each configuration, per regime, every seed shown."""
+    results = {}
+    for regime, paths in regimes.items():
+        rows, mismatches = read_runs(paths, rename)
+        for key, a, b, path in mismatches:
+            print(f"MISMATCH {regime} {key}: {a} then {b} in {path}")
+        accs = {}
+        for (config, seed), r in sorted(rows.items(), key=lambda kv: kv[0][1]):
+            accs.setdefault(config, []).append(r["final_test_acc"] * 100)
+        results[regime] = accs
+        if merged_dir:
+            with open(os.path.join(merged_dir, f"fashion-preset-{regime}.json"), "w") as f:
+                json.dump({"regime": regime, "base": REGIMES[regime],
+                           "scored_on": "all 10,000 test images, final weights",
+                           "runs": sorted(rows.values(), key=lambda r: (r["config"], r["seed"]))},
+                          f, indent=1)
+        print(f"\n{regime} ({REGIME_TEXT.get(regime, '')})\n\n| configuration | test accuracy, mean ± sd "
+              f"(min-max) | seeds | against the paper's recipe |\n|---|---|---|---|")
+        for config in ("baseline", *CANDIDATES):
+            if config in accs:
+                versus = compare(accs[config], accs.get("baseline")) if config != "baseline" else ""
+                print(f"| {LABELS[config]} | {summarise(accs[config])} | {len(accs[config])} | {versus} |")
+    print("\nThe rule: ahead with t >= 2 in at least half of the regimes, behind with t <= -2 in none.")
+    for config in CANDIDATES:
+        ts = {regime: welch(a[config], a["baseline"]) for regime, a in results.items() if config in a}
+        ahead = [r for r, (_, _, t) in ts.items() if t >= 2]
+        behind = [r for r, (_, _, t) in ts.items() if t <= -2]
+        gain = statistics.mean(d for d, _, _ in ts.values())
+        earns = len(ahead) * 2 >= len(ts) and not behind
+        print(f"{LABELS[config]}: ahead (t >= 2) in {ahead or 'none'}, behind (t <= -2) in "
+              f"{behind or 'none'}, mean gain {gain:+.2f} points: "
+              f"{'earns the name' if earns else 'does not earn the name'}")
+    if figure:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 4.2), sharey=False,
+                                 layout="constrained")
+        for ax, (regime, accs) in zip(axes, results.items()):
+            configs = [c for c in ("baseline", *CANDIDATES) if c in accs]
+            for x, config in enumerate(configs):
+                values = accs[config]
+                spread = [x + 0.06 * (i - (len(values) - 1) / 2) for i in range(len(values))]
+                ax.scatter(spread, values, s=14, color="tab:gray", zorder=3)
+                mean, sd = statistics.mean(values), statistics.stdev(values)
+                ax.errorbar([x + 0.3], [mean], yerr=[sd], fmt="o",
+                            color="tab:blue" if config == "baseline" else "tab:orange", capsize=4, zorder=4)
+            ax.axhline(statistics.mean(accs["baseline"]), color="tab:blue", linewidth=0.8, linestyle=":")
+            ax.set_xticks(range(len(configs)), [LABELS[c].replace(" (", "\n(") for c in configs], fontsize=8)
+            ax.set_title(f"{regime}: {REGIME_TEXT.get(regime, '')}", fontsize=10)
+            ax.grid(alpha=0.3, axis="y")
+        axes[0].set_ylabel("final test accuracy, % (10,000 images)")
+        fig.suptitle("WRN-10-2 on Fashion-MNIST: each seed (grey), mean ± sd (colour), per regime")
+        fig.savefig(figure, dpi=110)
+        print(figure)
+    return 0
 
 
 def main() -> int:
@@ -114,12 +198,27 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write every run's result here")
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
     p.add_argument("--seeds-for", action="append", default=[], help="NAME=N: N seeds for that configuration")
-    p.add_argument("--regime", choices=sorted(REGIMES), default="short", help="what every run shares (REGIMES)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names (see CONFIGS)")
+    p.add_argument("--only-seeds", default=None,
+                   help="comma-separated seeds: run only these of each configuration's")
+    p.add_argument("--regime", choices=sorted(REGIMES), default="short",
+                   help="what every run shares (REGIMES)")
+    p.add_argument("--configs", default=",".join([*CONFIGS, *DERIVED]),
+                   help="comma-separated names (CONFIGS, DERIVED)")
     p.add_argument("--extra", action="append", default=[], help="NAME=FLAGS: another configuration")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--report", nargs="+", default=None, metavar="REGIME=JSON[,JSON...]",
+                   help="no runs: the tables, the decision rule and the figure from these sweeps' JSON files")
+    p.add_argument("--rename", action="append", default=[],
+                   help="OLD=NEW: a configuration's name in older files")
+    p.add_argument("--figure", default=None, help="--report: the figure's PNG file")
+    p.add_argument("--merged", default=None,
+                   help="--report: write each regime's runs, merged, to this folder")
     args = p.parse_args()
-    configs = {name: CONFIGS[name] for name in args.configs.split(",") if name}
+    if args.report:
+        regimes = {item.split("=", 1)[0]: item.split("=", 1)[1].split(",") for item in args.report}
+        return report(regimes, dict(r.split("=", 1) for r in args.rename), args.figure, args.merged)
+    configs = {name: CONFIGS[name] if name in CONFIGS else DERIVED[name][1]
+               for name in args.configs.split(",") if name}
     for extra in args.extra:
         name, flags = extra.split("=", 1)
         configs[name] = flags.split()
@@ -130,11 +229,13 @@ def main() -> int:
     rows = []
     for name, flags in configs.items():
         for seed in range(seeds[name]):
+            if args.only_seeds is not None and str(seed) not in args.only_seeds.split(","):
+                continue
             out = os.path.join(args.out, f"{name}-seed{seed}")
             summary_path = os.path.join(out, "summary.json")
-            if name == "tta":  # the baseline's weights, scored with the mirror
-                base = os.path.join(args.out, f"baseline-seed{seed}")
-                acc = score_whole_test_set(script, base, env, tta=True)
+            if name in DERIVED:  # another configuration's weights, scored again
+                base = os.path.join(args.out, f"{DERIVED[name][0]}-seed{seed}")
+                acc = score_whole_test_set(script, base, env, tuple(flags))
                 with open(os.path.join(base, "summary.json")) as f:
                     summary = json.load(f)
                 rows.append({"config": name, "flags": flags, "seed": seed, "final_test_acc": acc,
@@ -142,22 +243,23 @@ def main() -> int:
                 print(f"{name} seed {seed}: {acc:.4f}", flush=True)
                 continue
             if not os.path.exists(summary_path):
-                cmd = [sys.executable, script, "--data-dir", FASHION, *REGIMES[args.regime], *flags, "--seed", str(seed),
-                       "--out-dir", out]
+                cmd = [sys.executable, script, "--data-dir", FASHION, *REGIMES[args.regime], *flags, "--seed",
+                       str(seed), "--out-dir", out]
                 print(" ".join(cmd[1:]), flush=True)
                 subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
             with open(summary_path) as f:
                 summary = json.load(f)
             acc = score_whole_test_set(script, out, env)  # with the mirror where the run has --tta
             rows.append({"config": name, "flags": flags, "seed": seed, "final_test_acc": acc,
-                         "final_test_acc_on_share": summary["final_test_acc"], "total_time_s": summary["total_time_s"],
-                         "out_dir": out})
+                         "final_test_acc_on_share": summary["final_test_acc"],
+                         "total_time_s": summary["total_time_s"], "out_dir": out})
             print(f"{name} seed {seed}: {acc:.4f} in {summary['total_time_s']:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"regime": args.regime, "base": REGIMES[args.regime], "threads": args.threads,
                        "scored_on": "all 10,000 test images, final weights", "runs": rows}, f, indent=1)
-    print("\n| configuration | flags | test accuracy, mean ± sd (min-max) | seeds | against the baseline | time per run |"
+    print("\n| configuration | flags | test accuracy, mean ± sd (min-max) | seeds | against the baseline "
+          "| time per run |"
           "\n|---|---|---|---|---|---|")
     accs = {name: [r["final_test_acc"] * 100 for r in rows if r["config"] == name] for name in configs}
     for name, flags in configs.items():

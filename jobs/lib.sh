@@ -1,22 +1,28 @@
 # Shared by the job scripts in jobs/: sourced, not run. What every job needs:
-#   RECIPE           the training preset (--recipe wrn-paper: a full WRN-16-8 run), before the script's arguments
+#   RECIPE           the training preset (--recipe wrn-paper: a full WRN-16-8 run), before the script's
+#                    arguments
 #   job_summary      what Slurm granted, printed at the start of the log (print_recipe: the recipe)
+#   job_preamble     a training job's start: job_summary, print_recipe, check_cuda, flight_recorder
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
 #   NPROC, MASTER_ADDR, MASTER_PORT   ranks per node, and where torchrun's ranks meet
 #   run_requeueable  run the training; Slurm's signals checkpoint it, then USR1 requeues and TERM ends the job
 # shellcheck shell=bash disable=SC2034  # LAUNCH, NPROC, MASTER_* are used by the scripts that source this
 
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
+DATA_DIR_GIVEN=${DATA_DIR:+yes}  # DATA_DIR=... sbatch ...: the data's dir, for train_ddp.py and the container
 DATA_DIR=${DATA_DIR:-$PROJECT_DIR/datasets}
 cd "$PROJECT_DIR" || { echo "error: PROJECT_DIR $PROJECT_DIR does not exist" >&2; exit 2; }
 
 job_summary() {
-    echo "=== job ${SLURM_JOB_ID:-none} '${SLURM_JOB_NAME:-}' (restart ${SLURM_RESTART_COUNT:-0}) on $(hostname) at $(date -Is)"
-    echo "=== nodes: ${SLURM_JOB_NUM_NODES:-1} (${SLURM_JOB_NODELIST:-$(hostname)}); GPUs on this node: ${SLURM_GPUS_ON_NODE:-none};" \
-         "CPUs per task: ${SLURM_CPUS_PER_TASK:-?}; time limit: $(squeue -h -j "${SLURM_JOB_ID:-0}" -o %l 2>/dev/null || echo ?)"
+    echo "=== job ${SLURM_JOB_ID:-none} '${SLURM_JOB_NAME:-}' (restart ${SLURM_RESTART_COUNT:-0})" \
+         "on $(hostname) at $(date -Is)"
+    echo "=== nodes: ${SLURM_JOB_NUM_NODES:-1} (${SLURM_JOB_NODELIST:-$(hostname)});" \
+         "GPUs on this node: ${SLURM_GPUS_ON_NODE:-none}; CPUs per task: ${SLURM_CPUS_PER_TASK:-?};" \
+         "time limit: $(squeue -h -j "${SLURM_JOB_ID:-0}" -o %l 2>/dev/null || echo ?)"
     if command -v nvidia-smi >/dev/null 2>&1; then
         nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | sed 's/^/=== GPU /'
-        nvidia-smi topo -m 2>/dev/null | head -n 12 | sed 's/^/=== topo /'  # SYS between GPUs: see NCCL_P2P_DISABLE
+        # SYS between GPUs: see NCCL_P2P_DISABLE
+        nvidia-smi topo -m 2>/dev/null | head -n 12 | sed 's/^/=== topo /'
     fi
     local python="in the container"
     [[ -z "${CONTAINER:-}" ]] && python=$(command -v python || echo none)
@@ -36,12 +42,30 @@ print_recipe() {
 # Flags after the job script override any value the preset sets, whatever their order:
 #   sbatch jobs/multigpu.sh --epochs 100 --batch-size 1024   (the LR follows the batch: 0.8)
 RECIPE=(--recipe wrn-paper)
+[[ -n "$DATA_DIR_GIVEN" ]] && RECIPE+=(--data-dir "$DATA_DIR")  # a --data-dir after the script still wins
 
-# Apptainer: --nv exposes the GPUs; bind the project and the data so both are visible inside.
+# The value of train_ddp.py's flag $1 in the arguments after it (the last one given wins), else $2.
+flag_value() {
+    local name=$1 value=$2 prev=""
+    shift 2
+    for arg in "$@"; do
+        [[ "$prev" == "$name" ]] && value=$arg
+        [[ "$arg" == "$name"=* ]] && value=${arg#"$name"=}
+        prev=$arg
+    done
+    echo "$value"
+}
+
+# Apptainer: --nv exposes the GPUs; bind the project, the data and the out-dir (the script's own arguments,
+# which sourcing sees) where they lie outside it, so that all are visible inside.
 LAUNCH=()
 if [[ -n "${CONTAINER:-}" ]]; then
     binds="$PROJECT_DIR"
-    [[ -d "$DATA_DIR" ]] && binds="$binds,$DATA_DIR"
+    for dir in "$(flag_value --data-dir "$DATA_DIR" "$@")" "$(flag_value --out-dir runs "$@")"; do
+        [[ "$dir" == /* && "$dir" != "$PROJECT_DIR"/* ]] || continue  # relative: inside the project
+        mkdir -p "$dir" 2>/dev/null  # the out-dir may not exist yet; a bind needs it
+        [[ -d "$dir" ]] && binds="$binds,$dir"
+    done
     LAUNCH=(apptainer exec --nv --bind "$binds" --pwd "$PROJECT_DIR" "$CONTAINER")
 fi
 
@@ -52,8 +76,9 @@ if [[ -z "${CONTAINER:-}" ]]; then
     VENV=${VENV:-$PROJECT_DIR/.venv}
     [[ -x "$VENV/bin/python" ]] && export PATH="$VENV/bin:$PATH"
     if ! command -v torchrun >/dev/null 2>&1; then
-        echo "error: no torchrun on PATH and no Python environment in $VENV: activate the environment that has" \
-             "torch before sbatch (or load its module), set VENV=/path/to/venv, or CONTAINER=/path/to/image.sif" >&2
+        echo "error: no torchrun on PATH and no Python environment in $VENV: activate the environment" \
+             "that has torch before sbatch (or load its module), set VENV=/path/to/venv, or" \
+             "CONTAINER=/path/to/image.sif" >&2
         exit 2
     fi
 fi
@@ -70,16 +95,18 @@ check_cuda() {
 print('torch-check', sys.executable, torch.__version__, torch.cuda.device_count())" 2>&1)
     seen=$(grep '^torch-check ' <<< "$out")
     if [[ -z "$seen" ]]; then
-        local where="this job's Python environment" fix="activate the environment that has torch before sbatch, set VENV=/path/to/venv, or CONTAINER=/path/to/image.sif"
+        local where="this job's Python environment"
+        local fix="activate the environment that has torch before sbatch, set VENV=/path/to/venv, or"
+        fix+=" CONTAINER=/path/to/image.sif"
         [[ -n "${CONTAINER:-}" ]] && where="the container $CONTAINER" fix="use an image that has torch"
         echo "error: torch does not import in $where (${out##*$'\n'}): $fix" >&2
         exit 2
     fi
     read -r _ python version count <<< "$seen"
     if [[ "$count" == 0 ]]; then
-        echo "error: Slurm granted $granted GPUs on $(hostname), but torch $version in $python sees none (a CPU-only" \
-             "torch build, a CUDA module not loaded, or a container run without --nv): fix the environment, or add" \
-             "--device cpu to train on the CPU" >&2
+        echo "error: Slurm granted $granted GPUs on $(hostname), but torch $version in $python sees none" \
+             "(a CPU-only torch build, a CUDA module not loaded, or a container run without --nv): fix the" \
+             "environment, or add --device cpu to train on the CPU" >&2
         exit 2
     fi
 }
@@ -95,23 +122,30 @@ MASTER_PORT=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
 # A collective that times out on NCCL (a rank hung or gone) makes every rank dump its flight recorder: its
 # last collectives, which ones completed, and where it waited, into the out-dir's nccl_trace/, one file per
 # rank; `torchfrtrace <out-dir>/nccl_trace` then names the ranks that did not arrive. The ranks' own line
-# names them too where the store can tell (gloo). "$@": the training flags, for --out-dir (a --recipe that sets
-# its own out-dir is not seen here: its dumps go to ./runs/wrn/nccl_trace).
+# names them too where the store can tell (gloo). "$@": the training flags, for --out-dir (a --recipe that
+# sets its own out-dir is not seen here: its dumps go to ./runs/wrn/nccl_trace).
 flight_recorder() {
-    local granted=${SLURM_GPUS_ON_NODE:-0} out=./runs/wrn prev=""  # train_ddp.py's default out-dir
+    local granted=${SLURM_GPUS_ON_NODE:-0}
     [[ "$granted" =~ ^[0-9]+$ && "$granted" -gt 0 ]] || return 0  # no GPUs: no NCCL (gloo's line names them)
-    for arg in "$@"; do
-        [[ "$prev" == --out-dir ]] && out=$arg
-        [[ "$arg" == --out-dir=* ]] && out=${arg#--out-dir=}
-        prev=$arg
-    done
-    local dir="$out/nccl_trace"
+    local dir
+    dir="$(flag_value --out-dir ./runs/wrn "$@")/nccl_trace"  # train_ddp.py's default out-dir
     mkdir -p "$dir" 2>/dev/null || return 0  # the run itself will say what is wrong with the out-dir
-    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000} TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+    export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+    export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
     export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$dir/rank_}  # older torch's name
+    # older torch's name
+    export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-$dir/rank_}
     export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$dir/rank_}
     echo "=== on a collective timeout, NCCL's flight recorder dumps into $dir (read them: torchfrtrace $dir)"
+}
+
+# The start of every training job (multigpu.sh, multinode.sh, srun_direct.sh), one call so that they stay
+# alike. "$@": the training flags.
+job_preamble() {
+    job_summary
+    print_recipe "$@"
+    check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
+    flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
 }
 
 # The ranks checkpoint and exit (status 75) when this file appears; it lives in the project
@@ -120,39 +154,44 @@ flight_recorder() {
 export DDP_STOP_FILE="$PROJECT_DIR/.ddp-stop-${SLURM_JOB_ID:-local}"
 rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
 
-# torchrun dies of a SIGUSR1 unless told to forward it to the ranks as it forwards TERM and INT (torch >= 2.9 reads
-# this; older ones ignore it). It matters where Slurm signals every process of a step: --signal=USR1@N without B:.
+# torchrun dies of a SIGUSR1 unless told to forward it to the ranks as it forwards TERM and INT (torch >= 2.9
+# reads this; older ones ignore it). It matters where Slurm signals every process of a step: --signal=USR1@N
+# without B:.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 
-# Run "$@" in the background so that this shell can take Slurm's signals; on either, ask the ranks to checkpoint
-# and stop (the stop file: the ranks on every node and in a container see it), then:
+# Run "$@" in the background so that this shell can take Slurm's signals; on either, ask the ranks to
+# checkpoint and stop (the stop file: the ranks on every node and in a container see it), then:
 #   USR1, the time-limit warning the scripts ask for (--signal=B:USR1@180): requeue the job, which resumes.
-#   TERM, sent to every process of the job by scancel, by the time limit itself and by a preemption (then KILL after
-#        KillWait, or GraceTime for a preemption): end the job. A cancel is the user's word; a preemption with
-#        PreemptMode=REQUEUE is requeued by Slurm itself. Submitting the same command again resumes.
+#   TERM, sent to every process of the job by scancel, by the time limit itself and by a preemption (then
+#        KILL after KillWait, or GraceTime for a preemption): end the job. A cancel is the user's word; a
+#        preemption with PreemptMode=REQUEUE is requeued by Slurm itself. Submitting the same command again
+#        resumes.
 # A TERM after a USR1 (the time limit reached before the stop) ends the job too.
 STOP_SIGNAL=""
 run_requeueable() {
     trap 'STOP_SIGNAL=${STOP_SIGNAL:-USR1}; touch "$DDP_STOP_FILE"
-          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop (USR1, the time-limit warning: the job then requeues itself)"' USR1
+          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop" \
+               "(USR1, the time-limit warning: the job then requeues itself)"' USR1
     trap 'STOP_SIGNAL=TERM; touch "$DDP_STOP_FILE"
-          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop (TERM: scancel, the time limit or a preemption: the job then ends)"' TERM
+          echo "=== $(date -Is): signal received: asking the ranks to checkpoint and stop" \
+               "(TERM: scancel, the time limit or a preemption: the job then ends)"' TERM
     "$@" &
     local pid=$! status=0
     # `wait` returns early whenever a trapped signal arrives: keep waiting until the run has ended.
     while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
     wait "$pid" || status=$?
     trap - USR1 TERM
-    local saved=""  # the ranks' own word that they stopped on request with a checkpoint (StopRequest.say_stopped)
+    # The ranks' own word that they stopped on request with a checkpoint (StopRequest.say_stopped).
+    local saved=""
     [[ -e "$DDP_STOP_FILE.saved" ]] && saved=yes
     rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
     if [[ $status -ne 0 && ( -n "$STOP_SIGNAL" || -n "$saved" ) ]]; then
         if [[ -n "$saved" ]]; then
-            echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75; the launcher reports" \
-                 "$status, so its FAILED lines in the .err file are expected)"
+            echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75;" \
+                 "the launcher reports $status, so its FAILED lines in the .err file are expected)"
         else
-            echo "=== $(date -Is): the run ended with status $status before it could checkpoint (signalled while" \
-                 "starting, before training): the last checkpoint, if any, is intact"
+            echo "=== $(date -Is): the run ended with status $status before it could checkpoint (signalled" \
+                 "while starting, before training): the last checkpoint, if any, is intact"
         fi
         if [[ "$STOP_SIGNAL" == USR1 ]]; then
             echo "=== requeueing job $SLURM_JOB_ID to resume"
@@ -160,9 +199,10 @@ run_requeueable() {
             echo "=== requeue failed (is JobRequeue allowed here?); resubmit this job to resume" >&2
             exit "$status"
         fi
-        # TERM to the shell, or a signal that reached the ranks alone (a preemption's grace time signals the tasks).
-        echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a preempted" \
-             "job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
+        # TERM to the shell, or a signal that reached the ranks alone (a preemption's grace time signals the
+        # tasks).
+        echo "=== job ${SLURM_JOB_ID:-} ends here (cancelled, timed out or preempted; Slurm requeues a" \
+             "preempted job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
         exit "$status"
     fi
     echo "=== $(date -Is): finished with status $status"

@@ -5,8 +5,9 @@
 #   sbatch --gpus=2 --time=00:30:00 jobs/multigpu.sh --epochs 30  # any #SBATCH line, overridden
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multigpu.sh         # inside Apptainer (see jobs/wrn-ddp.def)
 #
-# Arguments after the script go to train_ddp.py after the recipe, so they override it. Submit from the project directory (or set
-# PROJECT_DIR): the log, the data (./datasets) and the runs (./runs) are relative to it.
+# Arguments after the script go to train_ddp.py after the recipe, so they override it. Submit from the
+# project directory (or set PROJECT_DIR): the log, the data (./datasets) and the runs (./runs) are relative
+# to it.
 #SBATCH --job-name=wrn_multigpu
 #SBATCH --output=multigpu_%j.out
 #SBATCH --error=multigpu_%j.err
@@ -27,10 +28,7 @@ set -uo pipefail
 # sbatch runs a copy of this script from a spool directory: find lib.sh from the submit directory.
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
-job_summary
-print_recipe "$@"
-check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
-flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
+job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL's flight recorder
 
 # NPROC (lib.sh): one process per GPU that Slurm granted on this node.
 echo "=== torchrun: 1 node x $NPROC processes"

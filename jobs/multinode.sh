@@ -2,7 +2,8 @@
 # N nodes x G GPUs: srun starts one torchrun per node; they meet through c10d rendezvous on the
 # allocation's first node and start G processes each.
 #
-#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs, the full recipe (--recipe wrn-paper)
+#   sbatch jobs/multinode.sh                                   # 2 nodes x 4 GPUs, the full recipe
+#                                                              # (--recipe wrn-paper)
 #   sbatch --nodes=4 jobs/multinode.sh --epochs 100 --batch-size 2048
 #   CONTAINER=/path/pytorch.sif sbatch jobs/multinode.sh
 #   MIN_NODES=1 sbatch --no-kill jobs/multinode.sh             # elastic: survive losing nodes (below)
@@ -24,13 +25,11 @@
 set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
-job_summary
-print_recipe "$@"
-check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
-flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
+job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL's flight recorder
 
 # NCCL knobs: uncomment what your cluster needs (see the README's troubleshooting section).
-# GPUs on different CPU sockets with broken peer-to-peer (DAIC, some PCIe boxes): hangs at the first all-reduce.
+# GPUs on different CPU sockets with broken peer-to-peer (DAIC, some PCIe boxes): hangs at the first
+# all-reduce.
 # export NCCL_P2P_DISABLE=1
 # Pin NCCL's bootstrap and socket traffic to the fast interface when nodes have several (ib0, eth0, ...).
 # export NCCL_SOCKET_IFNAME=ib0
@@ -61,7 +60,8 @@ SRUN_FAILURE=(--kill-on-bad-exit=1)
 if [[ -n "${MIN_NODES:-}" && "$MIN_NODES" -lt "$SLURM_JOB_NUM_NODES" ]]; then
     NODES=("--nnodes=$MIN_NODES:$SLURM_JOB_NUM_NODES" "--max-restarts=${MAX_RESTARTS:-3}")
     SRUN_FAILURE=(--no-kill --kill-on-bad-exit=0)
-    echo "=== elastic: keeps training on $MIN_NODES to $SLURM_JOB_NUM_NODES nodes, up to ${MAX_RESTARTS:-3} restarts"
+    echo "=== elastic: keeps training on $MIN_NODES to $SLURM_JOB_NUM_NODES nodes," \
+         "up to ${MAX_RESTARTS:-3} restarts"
 fi
 
 # One srun task per node; each runs torchrun, which starts NPROC ranks on its node.

@@ -23,11 +23,9 @@
 set -uo pipefail
 # shellcheck source=jobs/lib.sh
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
-job_summary
-print_recipe "$@"
-check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
-flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
+job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL's flight recorder
 
 # Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
 # each task to one GPU by default, which would leave every rank asking for GPU local_rank).
-run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" python train_ddp.py "${RECIPE[@]}" "$@"
+run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" \
+    python train_ddp.py "${RECIPE[@]}" "$@"

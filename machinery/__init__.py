@@ -1,13 +1,23 @@
 """The machinery behind train_utils.py, a module per concern; the recipe (train_ddp.py) never imports it.
 
-    launch.py       who this process is: torchrun's, srun's or no launcher's ranks, the device, the process group
+    launch.py       who this process is: torchrun's, srun's or no launcher's ranks, the device, the
+                    process group
     errors.py       the one error protocol: UserError, raised on every rank at once and said once
     cli.py          the command line: flags, --recipe presets, checks, one-line failures
-    files.py        the run's files: atomic writes, rank 0's writes agreed on by all, a failed write in one line
+    files.py        the run's files: atomic writes, rank 0's writes agreed on by all, a failed write in
+                    one line
     lock.py         one run per out-dir
-    checkpoints.py  checkpoint files, their format, finding the one to continue, resume checks, room for the next
+    checkpoints.py  checkpoint files, their format, finding the one to continue, resume checks, room for the
+                    next
+    data_checks.py  what load_data's splits say of themselves (measure_data), their checks and fingerprints
+    bad_samples.py  samples that do not read: named, skipped (--skip-bad-samples) or stopped on, agreed by
+                    all ranks
+    image_folders.py  image files as users have them (dataset_utils.image_folder)
+    cifar_archive.py  CIFAR-100's archive: downloaded, md5-checked, extracted
     records.py      progress lines, config.json, metrics.jsonl, run.json, summary.json, eval.json, TensorBoard
     signals.py      stop requests (SIGUSR1, SIGTERM, Ctrl-C, the stop file), and the tools' one-line exit
     output.py       rank 0's log lines
     timing.py       where each rank's step time goes, and the rank that holds the others back
+    cpu_checks.py   bench.py --cpu-checks: augmentation per core, the loop's overhead against a bare loop
+    original_script.py  the original script's transform, input pipeline and loop, as bench.py times them
 """

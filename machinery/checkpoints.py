@@ -12,16 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from config import ANY, DATA, NOTED, RECIPE, resume_rules
 from machinery.errors import UserError, WriteError, call_and_agree
-from machinery.files import atomic_write, describe_write_failure
+from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
 from machinery.launch import DistEnv
 from machinery.output import log
-
-
-def checkpoint_paths(out_dir: str, keep: int) -> list:
-    """checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on."""
-    return [os.path.join(out_dir, "checkpoint.pt")] + [
-        os.path.join(out_dir, f"checkpoint.{i}.pt") for i in range(1, keep)]
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
@@ -60,8 +55,8 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
 # the model, optimizer and scaler, required; what an option adds, optional): where training stands, the
 # config and model it trained, its data's fingerprints, and every rank's RNG states.
 REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
-REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps", "micro_batch",
-                        "micro_batch_size", "lr", "device_type")
+REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps",
+                        "micro_batch", "micro_batch_size", "lr", "device_type")
 # Where training stands (train_utils.Progress's fields; a unit test holds the two together).
 REQUIRED_PROGRESS_KEYS = ("epoch", "position", "step", "sums", "elapsed_s", "history", "total_time_s",
                           "total_images", "stopped_early")
@@ -77,70 +72,55 @@ def check_format(ckpt, path: str, required=()) -> None:
     missing += [f"config.{k}" for k in REQUIRED_CONFIG_KEYS if k not in ckpt.get("config", {})]
     missing += [f"progress.{k}" for k in REQUIRED_PROGRESS_KEYS if k not in ckpt.get("progress", {})]
     if missing:
-        raise UserError(f"{path} was written by an older train_ddp.py (it lacks {', '.join(missing[:3])}); evaluate "
-                        f"or resume it with that version, or train afresh in another --out-dir")
-
-
-# What a checkpoint's run trained on: a run on other data must not continue it.
-DATA_FLAGS = ("dataset", "train_size", "test_size", "seed", "val_size")
-
-# How it trained: a resume that changed one of these would silently train another recipe from mid-run on, so it is
-# refused (the LR, batch size and schedule may change: a resume says so). --tta and --init-from may change: --tta
-# only scores, and --init-from only starts a new run.
-RECIPE_FLAGS = ("model_ema", "model_ema_decay", "clip_grad_norm", "random_erase", "auto_augment", "mixup_alpha",
-                "cutmix_alpha", "norm_weight_decay")
-
-
-# What --evaluate may take from the command line instead of the checkpoint.
-QUIET_CHANGES = ("out_dir", "data_dir", "device", "workers", "loader", "timeout", "log_every", "checkpoint_every",
-                 "keep_checkpoints", "stop_after_epoch", "evaluate", "compile", "tensorboard", "amp",
-                 "skip_bad_samples", "profile", "find_unused_parameters", "tta", "init_from")
+        raise UserError(f"{path} was written by an older train_ddp.py (it lacks {', '.join(missing[:3])}); "
+                        f"evaluate or resume it with that version, or train afresh in another --out-dir")
 
 
 def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
     """The flags this run continues `ckpt` with, and notes on what it changes: `args`, but for those the
-    checkpoint rules. `args` itself is left as parsed.
+    checkpoint rules, as each flag's resume rule in config.py says. `args` itself is left as parsed.
 
-    Raises UserError if the data or the model differ: resuming would mix two runs. --evaluate takes
-    every flag it was not given from the checkpoint, so `--evaluate --out-dir D` is enough. A
+    Raises UserError if the data, the model or the recipe differ: resuming would mix two runs. --evaluate
+    takes every flag it was not given from the checkpoint, so `--evaluate --out-dir D` is enough. A
     training run keeps the checkpoint's --micro-batch unless given one, so a resume on fewer GPUs
     keeps the per-GPU memory (and more accumulation steps keep the global batch)."""
     flags = dict(vars(args))
     if ckpt is None:
         return flags, []
-    saved = ckpt["config"]
-    if flags["evaluate"]:
-        flags.update({k: v for k, v in saved.items() if k in flags and k not in explicit | {"evaluate", "out_dir"}})
+    saved, rules = ckpt["config"], resume_rules()
+    evaluate = flags["evaluate"]
+    if evaluate:
+        flags.update({k: v for k, v in saved.items()
+                      if k in flags and k not in explicit | {"evaluate", "out_dir"}})
     elif "micro_batch" not in explicit:
         # The checkpoint's per-rank memory: its micro-batch, or its whole per-rank batch if it had none.
         flags["micro_batch"] = saved["micro_batch"] or saved["micro_batch_size"]
-    model_flags = [k for k in ckpt["model_config"] if k in flags]  # the flags build_model's shapes follow
-    if "val_size" not in saved and flags.get("val_size") and not flags["evaluate"]:  # from before --val-size
-        raise UserError(f"--val-size {flags['val_size']} would hold out samples that the checkpoint in "
-                        f"{flags['out_dir']} trained on: leave --val-size out to continue it, or use another --out-dir "
-                        f"for a new run")
-    for key in DATA_FLAGS + tuple(model_flags):
-        if flags["evaluate"] and key == "test_size":  # it only chooses what --evaluate scores
+    model_flags = {k for k in ckpt["model_config"] if k in flags}  # the flags build_model's shapes follow
+    for key, (rule, before) in rules.items():
+        # --evaluate scores what was trained, on any share of the test set (--test-size)
+        if key not in flags or (evaluate and (rule == RECIPE or key == "test_size")):
             continue
-        if key in saved and key in flags and flags[key] != saved[key]:
-            flag = "--" + key.replace("_", "-")
-            what = "on other data" if key in DATA_FLAGS else "another model"
-            raise UserError(f"{flag} {flags[key]} differs from the {saved[key]} of the checkpoint in "
-                            f"{flags['out_dir']}, which trained {what}: use another --out-dir for a new run, or "
-                            f"{flag} {saved[key]} to continue it")
-    for key in (RECIPE_FLAGS if not flags["evaluate"] else ()):
-        # A checkpoint from before the option trained without it: any value that turns it on changes the run.
-        old = saved[key] if key in saved else (flags.get(key) if key == "model_ema_decay" else None)
-        if key in flags and flags[key] != old and (key in saved or flags[key]):
-            flag = "--" + key.replace("_", "-")
+        old, flag = saved.get(key, before), "--" + key.replace("_", "-")
+        if (rule == DATA or key in model_flags) and old not in (None, ANY) and flags[key] != old:
+            if key not in saved:  # a checkpoint from before the flag, which then meant `before`
+                raise UserError(f"{flag} {flags[key]} would change the data that the checkpoint in "
+                                f"{flags['out_dir']} trained on (it was written before {flag}, which means "
+                                f"{flag} {old}): leave {flag} out to continue it, or use another --out-dir "
+                                f"for a new run")
+            what = "on other data" if rule == DATA else "another model"
+            raise UserError(f"{flag} {flags[key]} differs from the {old} of the checkpoint in "
+                            f"{flags['out_dir']}, which trained {what}: use another --out-dir for a new run, "
+                            f"or {flag} {old} to continue it")
+        elif rule == RECIPE and old is not ANY and flags[key] != old and (key in saved or flags[key]):
+            # From before the option, with before None: it was off; a value that turns it on changes the run.
             keep = f"leave {flag} out" if old in (None, False) else f"give {flag} {old}"
-            raise UserError(f"{flag} {flags[key]} differs from the {old} the checkpoint in {flags['out_dir']} "
-                            f"trained with: changed mid-run it would make the run another recipe; {keep} to "
-                            f"continue it, or use another --out-dir for a new run")
-    if flags["evaluate"]:
+            raise UserError(f"{flag} {flags[key]} differs from the {old} the checkpoint in "
+                            f"{flags['out_dir']} trained with: changed mid-run it would make the run another "
+                            f"recipe; {keep} to continue it, or use another --out-dir for a new run")
+    if evaluate:
         return flags, []
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in flags.items()
-               if k in saved and k not in QUIET_CHANGES + DATA_FLAGS + tuple(model_flags) and saved[k] != v
+               if k in saved and rules.get(k, (NOTED,))[0] == NOTED and k not in model_flags and saved[k] != v
                and (k != "micro_batch" or k in explicit)]  # a kept per-rank memory cap is no change
     return flags, ["resumed with changes: " + ", ".join(changed)] if changed else []
 
@@ -163,7 +143,8 @@ class Found:
     """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
     ckpt: dict | None = None
     path: str | None = None
-    flags: dict = field(default_factory=dict)  # the flags to run with: as given, but for those the checkpoint rules
+    # the flags to run with: as given, but for those the checkpoint rules
+    flags: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)  # what this run changes, for the start of the log
     finished: str | None = None  # a finished run rerun with the same command: the line that says so
     kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
@@ -184,7 +165,8 @@ def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
         check_format(ckpt, path)
     flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt)
     call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
-    finished = None if ckpt is None or args.evaluate else call_and_agree(check_finished, ckpt, path, flags, notes)
+    finished = (None if ckpt is None or args.evaluate
+                else call_and_agree(check_finished, ckpt, path, flags, notes))
     kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
     return Found(ckpt, path, flags, notes, finished, kept)
 
@@ -224,7 +206,6 @@ def check_finished(ckpt, path: str, flags: dict, notes: list) -> str | None:
     raise UserError(f"{holds}, and this command changes it ({'; '.join(notes)}) but trains nothing: {ways}")
 
 
-
 def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
     """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
     (channels, height, width, and the classes when known), then the samples themselves (same flags,
@@ -234,9 +215,9 @@ def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
     out_dir, data_dir = found.flags.get("out_dir", "the out-dir"), found.flags.get("data_dir", "?")
     saved_shape = {k: found.ckpt["config"]["data_spec"][k] for k in shape}
     if saved_shape != shape:
-        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out_dir} was trained "
-                        f"on {describe_shape(saved_shape)}: use another --out-dir for a new run, or load the data "
-                        f"it trained on")
+        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out_dir} was "
+                        f"trained on {describe_shape(saved_shape)}: use another --out-dir for a new run, or "
+                        f"load the data it trained on")
     saved = found.ckpt["data"]
     for split, fp in fingerprints.items():
         if split == "test" and found.flags.get("test_size") != found.ckpt["config"]["test_size"]:
@@ -251,8 +232,8 @@ def check_same_model(found: Found, model_config: dict) -> None:
     """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
     if found.ckpt is not None and found.ckpt["model_config"] != model_config:
         raise UserError(f"{found.path} holds {found.describe_model()}, but this run builds "
-                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same model, or "
-                        f"use another --out-dir")
+                        f"{describe_model(model_config)} (model_config in train_ddp.py): build the same "
+                        f"model, or use another --out-dir")
 
 
 def describe_model(cfg: dict) -> str:
@@ -271,7 +252,8 @@ def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
     if free < need:
         what = "a checkpoint" if copies == 1 else f"{copies} checkpoints"
         raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
-                                                f"{what} of about {need / 2**20:.1f} MiB ({free / 2**20:.1f} MiB free)",
+                                                f"{what} of about {need / 2**20:.1f} MiB "
+                                                f"({free / 2**20:.1f} MiB free)",
                                                 out_dir))
 
 
@@ -279,11 +261,14 @@ def state_bytes(obj) -> int:
     """The bytes of obj.state_dict()'s tensors. An optimizer makes its state at its first step, so before
     it the state is measured on a copy of the optimizer stepped once over stand-in parameters of the
     same shapes on the CPU (Adam's two moments, SGD's momentum, none for plain SGD)."""
-    if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups):
+    if (isinstance(obj, torch.optim.Optimizer)
+            and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups)):
         params = [p for g in obj.param_groups for p in g["params"]]
         try:
-            groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach", "capturable")},
-                       "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]}
+            groups = [{**{k: v for k, v in g.items()
+                          if k not in ("params", "fused", "foreach", "capturable")},
+                       "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True)
+                                  for p in g["params"]]}
                       for g in obj.param_groups]
             for g in groups:
                 for p in g["params"]:
@@ -333,12 +318,14 @@ def is_best_epoch(history: list) -> bool:
 
 def load_initial_weights(model: torch.nn.Module, path: str) -> str:
     """--init-from: load `path`'s weights into `model` (on every rank) and return the line that says what
-    was loaded. `path`: this project's checkpoint (its weight EMA if it has one, else its model) or a state_dict
-    (keys prefixed by DDP's "module." or torch.compile's "_orig_mod." are taken as bare). A classifier head (the
-    model's last nn.Linear) of another shape, or absent, keeps its fresh initialisation, as fine-tuning on another
-    number of classes needs; any other missing, extra or misshapen tensor is refused, naming it."""
+    was loaded. `path`: this project's checkpoint (its weight EMA if it has one, else its model) or a
+    state_dict (keys prefixed by DDP's "module." or torch.compile's "_orig_mod." are taken as bare). A
+    classifier head (the model's last nn.Linear) of another shape, or absent, keeps its fresh initialisation,
+    as fine-tuning on another number of classes needs; any other missing, extra or misshapen tensor is
+    refused, naming it."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # data, never code: as every checkpoint here
+        # data, never code: as every checkpoint here
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"--init-from {path}: no such file") from None
     except Exception as e:  # noqa: BLE001 (torch raises many kinds for a file that is not a checkpoint)
@@ -353,18 +340,21 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UserError(f"--init-from {path} holds neither a checkpoint of this project nor a state_dict "
                         f"(a dict of tensors)")
-    state = {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}  # DDP's, compile's prefixes
+    # DDP's, compile's prefixes
+    state = {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
     own = model.state_dict()
     heads = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    head = {f"{heads[-1]}.{k}" for k, _ in model.get_submodule(heads[-1]).named_parameters()} if heads else set()
+    head = ({f"{heads[-1]}.{k}" for k, _ in model.get_submodule(heads[-1]).named_parameters()}
+            if heads else set())
     for key in sorted(set(state) - set(own)):
-        raise UserError(f"--init-from {path}: its tensor {key} has no place in this model (the model's layers differ: "
-                        f"build the model the weights were trained as)")
+        raise UserError(f"--init-from {path}: its tensor {key} has no place in this model (the model's "
+                        f"layers differ: build the model the weights were trained as)")
     fresh = {k for k in own if k not in state or state[k].shape != own[k].shape}
     for key in sorted(fresh - head, key=lambda k: (k not in state, k)):  # a misshapen layer says most: first
-        got = f"is {tuple(state[key].shape)}, the model's {tuple(own[key].shape)}" if key in state else "is missing"
-        raise UserError(f"--init-from {path}: layer {key} {got}: the weights fit another model; build the model "
-                        f"they were trained as (only a classifier head may differ)")
+        got = (f"is {tuple(state[key].shape)}, the model's {tuple(own[key].shape)}" if key in state
+               else "is missing")
+        raise UserError(f"--init-from {path}: layer {key} {got}: the weights fit another model; build the "
+                        f"model they were trained as (only a classifier head may differ)")
     with torch.no_grad():
         for key, tensor in own.items():
             if key not in fresh:
@@ -378,6 +368,3 @@ def load_initial_weights(model: torch.nn.Module, path: str) -> str:
     return line + " (a new run: fresh optimizer and schedule)"
 
 
-def describe_position(epoch: int, position: int, step: int, **_) -> str:
-    """Where a checkpoint stands (its progress record): "after epoch 2", or "at step 10 of epoch 3"."""
-    return f"at step {step} of epoch {epoch + 1}" if position else f"after epoch {epoch}"

@@ -3,19 +3,17 @@ checked, and the tracebacks a user should not have to read turned into one line.
 from __future__ import annotations
 
 import argparse
-import copy
 import difflib
 import faulthandler
-import re
 import signal
 import sys
 import textwrap
 
-import torch
 
 from machinery.errors import UserError, describe_comm_failure
 from machinery.launch import read_dist_env
 from machinery.output import is_main_process, log
+from machinery.signals import catch_stop_signals
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
@@ -28,8 +26,8 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
     try:
         return main(args, explicit)
     except KeyboardInterrupt:
-        print(f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save", file=sys.stderr,
-              flush=True)
+        print(f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save",
+              file=sys.stderr, flush=True)
         return 130
     except RuntimeError as e:
         if (why := describe_comm_failure(e, args.timeout)) is None:
@@ -38,14 +36,15 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
         return 1
 
 
-def run_tool(main, parser) -> int:
+def run_tool(main, parser, recipes: dict | None = None) -> int:
     """The tools' entry point (bench.py, preflight.py): SIGTERM and Ctrl-C end them at once in one line
-    (catch_stop_signals), and a UserError is one `error:` line from rank 0 and exit status 2. Returns
+    (catch_stop_signals), and a UserError is one `error:` line from rank 0 and exit status 2. With
+    `recipes`, --recipe NAME's preset sits under the flags given, as in training (parse_flags). Returns
     main(args)'s status (None: 0)."""
-    from machinery.signals import catch_stop_signals
     catch_stop_signals()
     try:
-        return main(parser.parse_args()) or 0
+        args = parser.parse_args() if recipes is None else parse_flags(parser, recipes, sys.argv[1:])[0]
+        return main(args) or 0
     except UserError as e:
         log(f"error: {e}", file=sys.stderr)
         return 2
@@ -59,11 +58,12 @@ def parse_flags(parser, recipes: dict, argv) -> tuple:
         """The parser's own, with the epilog's lines kept: one preset per paragraph."""
     parser.formatter_class = Formatter
     presets = [textwrap.fill(f"--recipe {name}: {describe_preset(preset)}", 100, subsequent_indent="    ",
-                             break_on_hyphens=False, break_long_words=False) for name, preset in recipes.items()]
-    parser.epilog = "\n".join([textwrap.fill(parser.epilog or "", 100), "", "Presets (flags given win):", *presets])
+                             break_on_hyphens=False, break_long_words=False)
+               for name, preset in recipes.items()]
+    parser.epilog = "\n".join([textwrap.fill(parser.epilog or "", 100), "", "Presets (flags given win):",
+                               *presets])
     parser.error = lambda message: refuse_flags(parser, message)
-    args = parser.parse_args(argv)
-    given = explicit_flags(parser, argv)
+    args, given = parse_once(parser, argv)
     preset = recipes.get(args.recipe, {}) if getattr(args, "recipe", None) else {}
     unknown = [k for k in preset if not hasattr(args, k)]
     assert not unknown, f"recipe {args.recipe} sets no such flags: {unknown}"
@@ -83,84 +83,51 @@ def describe_preset(preset: dict) -> str:
     return " ".join(flag(d, v) for d, v in preset.items())
 
 
-def check_args(args, world_size: int, device: torch.device) -> None:
-    """Reject bad input before any work, with one line that says what to change."""
-    if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
-        raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
-                        f"{world_size}; try --batch-size {max(1, round(args.batch_size / world_size)) * world_size}")
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
-    if not 0.0 <= args.target_accuracy <= 1.0:
-        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} (85% is 0.85)")
-    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every",
-                 "skip_bad_samples"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
-    if args.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                            "(or pip install -e '.[tensorboard]')") from None
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got {args.micro_batch} "
-                        f"(leave it out for no cap)")
-    if args.sync_bn and device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
-    check_recipe_args(args)
-    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
-        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
-
-
-def check_recipe_args(args) -> None:
-    """The modern recipe's flags."""
-    if not 0.0 < args.model_ema_decay < 1.0:
-        raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
-                        f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
-    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
-        raise UserError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm} (leave it out for no clipping)")
-    if args.norm_weight_decay is not None and args.norm_weight_decay < 0:
-        raise UserError(f"--norm-weight-decay must not be negative, got {args.norm_weight_decay} (leave it out: "
-                        f"--weight-decay for all)")
-    if not 0.0 <= args.random_erase <= 1.0:
-        raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
-    for name in ("mixup_alpha", "cutmix_alpha", "val_size"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)} (0: off)")
-
-
 def refuse_flags(parser, message: str):
     """argparse's error, in this script's form: one `error:` line from rank 0 (every rank parses the
-    same command line and leaves with it), naming the flags a mistyped one may have meant; exit status 2."""
+    same command line and leaves with it), naming the flags a mistyped one may have meant; exit status 2.
+    Unknown flags read `unknown flag --batchsize; did you mean --batch-size?`; other errors keep argparse's
+    words."""
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    _, found, extra = message.partition("unrecognized arguments:")
+    extra = extra.split() if found else []
+    unknown = list(dict.fromkeys(f for f in (a.split("=", 1)[0] for a in extra if a.startswith("--"))
+                                 if f not in known))
+    if unknown:
+        guesses = {flag: guess_flags(flag, known) for flag in unknown}
+        if len(unknown) == 1:
+            hints = f"; did you mean {guesses[unknown[0]]}?" if guesses[unknown[0]] else ""
+        else:
+            hints = "".join(f"; {flag}: did you mean {said}?" for flag, said in guesses.items() if said)
+        message = f"unknown flag{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hints}"
     if is_main_process():
-        print(f"error: {message}{suggest_flags(parser, message)} (see --help)", file=sys.stderr, flush=True)
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
-def suggest_flags(parser, message: str) -> str:
-    """`; did you mean --batch-size?` for the unknown flags in argparse's message: the flags spelled alike
-    (--batchsize, --epoch), or holding the word (--lr: --base-lr, --lr-scaling, --lr-schedule)."""
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    unknown = re.findall(r"(?<![\w-])(--[\w-]+)", message.split("unrecognized arguments:", 1)[-1]) \
-        if "unrecognized arguments:" in message else []
-    hints = []
-    for flag in dict.fromkeys(f for f in unknown if f not in known):
-        word = flag[2:].replace("_", "-")
-        alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
-        holding = [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
-        if alike or holding:
-            names = alike + holding
-            said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-            hints.append(f"{flag}: did you mean {said}?")
-    return "; " + "; ".join(hints) if hints else ""
+def guess_flags(flag: str, known: list) -> str:
+    """The flags a mistyped `flag` may have meant, as `--batch-size` or `--base-lr, --lr-scaling or
+    --lr-schedule`: those spelled alike (--batchsize, --epoch), or holding its word (--lr); "" if none."""
+    word = flag[2:].replace("_", "-")
+    alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
+    names = alike + [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}" if names else ""
 
 
-def explicit_flags(parser, argv) -> set:
-    """The flags given on the command line, as argparse dests (the rest are defaults)."""
-    probe = copy.deepcopy(parser)
-    for action in probe._actions:
-        action.default = argparse.SUPPRESS
-    return set(vars(probe.parse_args(argv)))
+def parse_once(parser, argv) -> tuple:
+    """(the parsed flags, the dests given on the command line), from one parse: every dest starts as a marker
+    that argparse leaves alone unless the flag is given, and those left get their defaults after."""
+    unset = object()
+    actions = [a for a in parser._actions
+               if a.dest is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS]
+    args = parser.parse_args(argv, namespace=argparse.Namespace(**{a.dest: unset for a in actions}))
+    given = set()
+    for a in actions:
+        if getattr(args, a.dest) is unset:
+            default = a.default
+            if isinstance(default, str) and a.type is not None:  # as argparse converts a string default
+                default = a.type(default)
+            setattr(args, a.dest, default)
+        else:
+            given.add(a.dest)
+    return args, given

@@ -55,7 +55,8 @@ def leave_on_user_error(e: UserError) -> int:
     """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
     soon as one exits and rank 0 must have said why first. Returns the exit status: 2, or 74 for a
     failed write."""
-    if isinstance(e, RendezvousError):  # no process group: every rank says why, as rank 0 may still be waiting
+    # no process group: every rank says why, as rank 0 may still be waiting
+    if isinstance(e, RendezvousError):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_status
     log(f"error: {e}", file=sys.stderr)
@@ -113,16 +114,18 @@ def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
     closed), else None."""
     first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
     if is_timeout(e):
-        collective = isinstance(e, dist.DistBackendError) or any(s in str(e) for s in ("gloo", "NCCL", "Watchdog"))
+        collective = (isinstance(e, dist.DistBackendError)
+                      or any(s in str(e) for s in ("gloo", "NCCL", "Watchdog")))
         absent = ranks_that_did_not_arrive(grace_s=min(30.0, max(5.0, timeout_s / 4))) if collective else None
         if absent:
             who = ", ".join(f"rank {r}" + (f" on {host}" if host else "") for r, host in absent)
-            return (f"a collective operation timed out after {timeout_s:g} s: {who} never reached it (hung, or "
-                    f"its node is unreachable: send its process SIGUSR2 to see where it is stuck); {first}")
+            return (f"a collective operation timed out after {timeout_s:g} s: {who} never reached it (hung, "
+                    f"or its node is unreachable: send its process SIGUSR2 to see where it is stuck); "
+                    f"{first}")
         if absent == []:
             return (f"a collective operation timed out after {timeout_s:g} s on every rank: they wait in "
-                    f"different collectives (a rank took another path through the code), or the network between "
-                    f"them failed; {first}")
+                    f"different collectives (a rank took another path through the code), or the network "
+                    f"between them failed; {first}")
         return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
                 f"(send it SIGUSR2 to see where it is stuck); {first}")
     if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
@@ -147,7 +150,8 @@ def ranks_that_did_not_arrive(grace_s: float) -> list | None:
         while True:
             absent = [r for r in range(world_size) if not store.check([f"timed_out/{r}"])]
             if not absent or time.monotonic() > deadline:
-                return [(r, store.get(f"host/{r}").decode() if store.check([f"host/{r}"]) else None) for r in absent]
+                return [(r, store.get(f"host/{r}").decode() if store.check([f"host/{r}"]) else None)
+                        for r in absent]
             time.sleep(0.25)
     except Exception:  # noqa: BLE001 - the store is a help here, not a need
         return None

@@ -28,7 +28,8 @@ def atomic_write(path: str, write, before_replace=None) -> None:
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
+        # the umask applies, as to any new file
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -61,7 +62,8 @@ def check_writable(out_dir: str) -> None:
         with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another directory") from None
+        raise UserError(f"--out-dir {out_dir} is not writable ({e.strerror}); choose another "
+                        f"directory") from None
 
 
 WAY_OUT = {
@@ -75,18 +77,30 @@ WAY_OUT = {
 }
 
 
-def describe_write_failure(e: OSError, what: str, out_dir: str, then: str = "run the same command to resume") -> str:
+def describe_write_failure(e: OSError, what: str, out_dir: str,
+                           then: str = "run the same command to resume") -> str:
     """One line for a failed write: what failed, where, the OS's reason, what is intact, the way out."""
     reason = (e.strerror or str(e)).lower()
-    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
+    # not one of our temporary files
+    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")
     way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
     return (f"{reason} writing {what} in {e.filename if named else out_dir}; {describe_intact(out_dir)}: "
             f"{way_out}, then {then}")
 
 
+def checkpoint_paths(out_dir: str, keep: int) -> list:
+    """checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on."""
+    return [os.path.join(out_dir, "checkpoint.pt")] + [
+        os.path.join(out_dir, f"checkpoint.{i}.pt") for i in range(1, keep)]
+
+
+def describe_position(epoch: int, position: int, step: int, **_) -> str:
+    """Where a checkpoint stands (its progress record): "after epoch 2", or "at step 10 of epoch 3"."""
+    return f"at step {step} of epoch {epoch + 1}" if position else f"after epoch {epoch}"
+
+
 def describe_intact(out_dir: str) -> str:
     """What a failed write leaves safe: the newest checkpoint that loads, read back from the disk."""
-    from machinery.checkpoints import checkpoint_paths, describe_position  # they write through this module
     for path in checkpoint_paths(out_dir, 10):
         try:  # mmap: only the small progress record is read, whatever the model's size
             p = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["progress"]
@@ -112,7 +126,8 @@ def write_on_main(env, write, *, what: str, out_dir: str, lock=None,
             error = e
         except (OSError, RuntimeError) as e:
             cause = os_error_of(e)
-            if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+            # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+            if cause is None:
                 raise
             error = WriteError(describe_write_failure(cause, what, out_dir, then))
     agree_on_error(error)

@@ -28,6 +28,11 @@ class DistEnv:
         return self.rank == 0
 
     @property
+    def cuda(self) -> bool:
+        """One GPU per process (NCCL); else the CPU (gloo)."""
+        return self.device.type == "cuda"
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1 or dist.is_initialized()
 
@@ -68,9 +73,9 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
 
 def join_process_group(env: DistEnv, timeout_s: float) -> None:
     """init_process_group, with a fresh store namespace per torchrun restart, and one line on failure."""
-    if env.device.type == "cuda":
+    if env.cuda:
         torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
-    backend = "nccl" if env.device.type == "cuda" else "gloo"
+    backend = "nccl" if env.cuda else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     store = None
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
@@ -81,10 +86,12 @@ def join_process_group(env: DistEnv, timeout_s: float) -> None:
         # agents, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see below).
         store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
-        if env.is_main and env.world_size > env.local_world_size and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-            print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node joining "
-                  "can hang the other nodes (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                  "before torchrun, as jobs/multinode.sh does", file=sys.stderr, flush=True)
+        if (env.is_main and env.world_size > env.local_world_size
+                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))):
+            print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node "
+                  "joining can hang the other nodes (pytorch/pytorch#135712); export "
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, as jobs/multinode.sh does",
+                  file=sys.stderr, flush=True)
     try:
         dist.init_process_group(backend, store=store, rank=env.rank if store else -1,
                                 world_size=env.world_size if store else -1, timeout=timeout,
@@ -93,7 +100,8 @@ def join_process_group(env: DistEnv, timeout_s: float) -> None:
         if (why := describe_init_failure(e, env, timeout_s)) is None:
             raise
         raise RendezvousError(why) from None
-    note_host_in_store(env.rank, host_name())  # a timeout's line can then name the host of a rank that never came
+    # a timeout's line can then name the host of a rank that never came
+    note_host_in_store(env.rank, host_name())
 
 
 def gather_ranks(env: DistEnv) -> list:
@@ -102,7 +110,7 @@ def gather_ranks(env: DistEnv) -> list:
     master = master_address()
     return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
                        "address": route_source(master) if master else None, "master_address": master,
-                       "device": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"})
+                       "device": torch.cuda.get_device_name(env.device) if env.cuda else "cpu"})
 
 
 def adopt_slurm_env() -> None:
@@ -145,8 +153,8 @@ def describe_init_failure(e: Exception, env: DistEnv, timeout_s: float) -> str |
                  f"carries the node's address (ip -br addr), or unset it" if ifname else
                  "the hostname resolves to a loopback address: map it to the node's address in /etc/hosts or "
                  "DNS, or set GLOO_SOCKET_IFNAME to the interface that carries that address")
-        return (f"rank {env.rank} on {host_name()} cannot connect to another rank at {peer.group(1)}, a loopback "
-                f"address, so ranks on different nodes cannot meet: {cause}")
+        return (f"rank {env.rank} on {host_name()} cannot connect to another rank at {peer.group(1)}, a "
+                f"loopback address, so ranks on different nodes cannot meet: {cause}")
     if is_timeout(e):
         return (f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
                 f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "

@@ -27,7 +27,8 @@ class OutDirLock:
     def __init__(self, out_dir: str):
         self.out_dir, self.path = out_dir, os.path.join(out_dir, self.NAME)
         self.me = {"host": host_name(), "pid": os.getpid(), "started": process_start(os.getpid()),
-                   "slurm_job": os.environ.get("SLURM_JOB_ID"), "torchrun": os.environ.get("TORCHELASTIC_RUN_ID"),
+                   "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                   "torchrun": os.environ.get("TORCHELASTIC_RUN_ID"),
                    "token": os.urandom(8).hex(), "since": now_iso()}
         self.note, self._done = None, threading.Event()
 
@@ -46,9 +47,9 @@ class OutDirLock:
             holder, age = self._read(age=True)
             why_stale = self._why_stale(holder, age)
             if why_stale is None:
-                raise UserError(f"--out-dir {self.out_dir} is in use by another run ({describe_owner(holder)}, alive "
-                                f"{age:.0f} s ago): wait for it to end or use another --out-dir (if that run is "
-                                f"surely gone, delete {self.path})")
+                raise UserError(f"--out-dir {self.out_dir} is in use by another run "
+                                f"({describe_owner(holder)}, alive {age:.0f} s ago): wait for it to end or "
+                                f"use another --out-dir (if that run is surely gone, delete {self.path})")
             self._break(holder)
             self.note = f"took over {self.path} from {describe_owner(holder)}: {why_stale}"
         else:
@@ -60,11 +61,12 @@ class OutDirLock:
         """Raise unless this run still owns the out-dir (called before each checkpoint)."""
         holder, _ = self._read()
         if holder is None:
-            raise UserError(f"this run's lock {self.path} is gone (deleted, or --out-dir removed), so this run stops "
-                            f"without writing there; if no other run uses {self.out_dir}, run the same command to resume")
+            raise UserError(f"this run's lock {self.path} is gone (deleted, or --out-dir removed), so this "
+                            f"run stops without writing there; if no other run uses {self.out_dir}, run the "
+                            f"same command to resume")
         if holder.get("token") != self.me["token"]:
-            raise UserError(f"another run took over --out-dir {self.out_dir} ({describe_owner(holder)}), so this one "
-                            f"stops without writing there; run one job per out-dir")
+            raise UserError(f"another run took over --out-dir {self.out_dir} ({describe_owner(holder)}), so "
+                            f"this one stops without writing there; run one job per out-dir")
 
     def release(self) -> None:
         self._done.set()
@@ -72,7 +74,8 @@ class OutDirLock:
         if holder and holder.get("token") == self.me["token"]:
             try:
                 os.unlink(self.path)
-            except OSError:  # a filesystem turned read-only: the next run takes the lock over (its owner is gone)
+            # a filesystem turned read-only: the next run takes the lock over (its owner is gone)
+            except OSError:
                 pass
 
     def _beat(self) -> None:

@@ -19,3 +19,11 @@ def say(text: str) -> None:
     """log() from a signal handler, where print is not safe: rank 0 writes `text` to stderr."""
     if is_main_process():
         os.write(2, text.encode())
+
+
+def describe_span(seconds: float) -> str:
+    """A duration as people say it: `1 h 31 min`, `12 min`, `40 s`."""
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return (f"{hours} h {minutes} min" if hours
+            else f"{minutes} min" if minutes else f"{max(1, round(seconds))} s")
+

@@ -13,18 +13,18 @@ import torch
 
 from machinery.files import now_iso, write_json, write_on_main, write_text
 from machinery.launch import DistEnv, gather_ranks
-from machinery.output import log
+from machinery.output import describe_span, log
 
 
 def describe_run_eta(done: int, epochs: int, seconds_per_epoch: float) -> str:
-    """`Run: 3 of 100 epochs done; about 1 h 31 min left (ends about 14:05) at this session's pace`: an epoch's
-    wall time here, its evaluation, checkpoint and records included, times the epochs left."""
+    """`Run: 3 of 100 epochs done; about 1 h 31 min left (ends about 14:05) at this session's pace`: an
+    epoch's wall time here, its evaluation, checkpoint and records included, times the epochs left."""
     left_s = (epochs - done) * seconds_per_epoch
-    hours, minutes = divmod(round(left_s / 60), 60)
-    span = f"{hours} h {minutes} min" if hours else f"{minutes} min" if minutes else f"{max(1, round(left_s))} s"
+    span = describe_span(left_s)
     ends = datetime.datetime.now() + datetime.timedelta(seconds=left_s)
     when = ends.strftime("%H:%M" if left_s < 20 * 3600 else "%a %H:%M")
-    return f"Run: {done} of {epochs} epochs done; about {span} left (ends about {when}) at this session's pace"
+    return (f"Run: {done} of {epochs} epochs done; about {span} left (ends about {when}) at this session's "
+            f"pace")
 
 
 class RunFiles:
@@ -35,7 +35,7 @@ class RunFiles:
     Made by every rank (it gathers each rank's host and device for run.json)."""
 
     def __init__(self, cfg, env: DistEnv, data, *, history: list, lock):
-        config = {**cfg.to_dict(), "data_spec": asdict(data.spec)}
+        config = {**cfg.to_dict(), "data": data.source, "data_spec": asdict(data.spec)}
         self.cfg, self.env, self.config, self.lock = cfg, env, config, lock
         self.ranks = gather_ranks(env)
         self.n_train, self.n_test = len(data.train), len(data.test)
@@ -69,25 +69,28 @@ class RunFiles:
         self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
         self.epochs_here += 1
         if metrics["epoch"] < self.cfg.epochs:
-            log(describe_run_eta(metrics["epoch"], self.cfg.epochs, (time.perf_counter() - self.started) / self.epochs_here))
+            log(describe_run_eta(metrics["epoch"], self.cfg.epochs,
+                                 (time.perf_counter() - self.started) / self.epochs_here))
 
     def finish(self, progress) -> None:
         env, history, total_s = self.env, progress.history, progress.total_time_s
         n_train, n_test = self.n_train, self.n_test
         summary = {
-            "total_time_s": total_s, "world_size": env.world_size, "nodes": self.config["nodes"],
+            "data": self.config["data"], "total_time_s": total_s, "world_size": env.world_size,
+            "nodes": self.config["nodes"],
             "images_per_s": progress.total_images / total_s if total_s else 0.0,
             "processes_per_node": env.local_world_size, "device": env.device.type,
             # named as the log's lines name them: GPUs on CUDA, CPU processes on a CPU
-            **({"gpus_per_node": env.local_world_size} if env.device.type == "cuda" else
+            **({"gpus_per_node": env.local_world_size} if env.cuda else
                {"gpus_per_node": 0, "cpu_processes_per_node": env.local_world_size}),
             "hosts": sorted({r["host"] for r in self.ranks}), "epochs_completed": progress.epoch,
             "finished": progress.stopped_early or progress.epoch >= self.cfg.epochs,
-            "stopped_early": progress.stopped_early, "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
+            "stopped_early": progress.stopped_early,
+            "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
             "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
-            # The test set's accuracy after the last epoch, as papers report it (without --val-size: the same as
-            # final_val_acc, as the original script scores the test set); with --val-size, also the test accuracy
-            # of the epoch that best.pt holds, the one the validation split selects.
+            # The test set's accuracy after the last epoch, as papers report it (without --val-size: the same
+            # as final_val_acc, as the original script scores the test set); with --val-size, also the test
+            # accuracy of the epoch that best.pt holds, the one the validation split selects.
             "final_test_acc": history[-1].get("test_acc", history[-1]["val_acc"]) if history else 0.0,
             "config": self.config,
         }
@@ -104,7 +107,7 @@ class RunFiles:
         log("\nTraining Summary:")
         log(f"Total training time: {total_s:.3f} seconds")
         log(f"Throughput: {summary['images_per_s']:.3f} images/second")
-        unit = "GPUs" if env.device.type == "cuda" else "CPU processes"  # as the start lines say
+        unit = "GPUs" if env.cuda else "CPU processes"  # as the start lines say
         log(f"Number of nodes: {summary['nodes']}")
         log(f"Number of {unit} per node: {env.local_world_size}")
         log(f"Total {unit} used: {env.world_size}")
@@ -112,19 +115,21 @@ class RunFiles:
             f"Training paused after epoch {progress.epoch} of {self.cfg.epochs}; run again to resume.")
         if history:  # what the run got, and where it is
             best = max(history, key=lambda m: m["val_acc"])
-            log(f"Result: final validation accuracy {history[-1]['val_acc']:.4f} (epoch {history[-1]['epoch']}), "
-                f"best {best['val_acc']:.4f} (epoch {best['epoch']}); checkpoint "
+            log(f"Result: final validation accuracy {history[-1]['val_acc']:.4f} (epoch "
+                f"{history[-1]['epoch']}), best {best['val_acc']:.4f} (epoch {best['epoch']}); checkpoint "
                 f"{os.path.join(self.cfg.out_dir, 'checkpoint.pt')}")
             if "test_acc" in history[-1]:
                 log(f"Test accuracy: final {history[-1]['test_acc']:.4f}, at the best validation epoch "
                     f"{best['test_acc']:.4f} ({os.path.join(self.cfg.out_dir, 'best.pt')})")
 
     @staticmethod
-    def write_evaluation(metrics: dict, *, cfg, env: DistEnv, epoch: int, path: str) -> None:
-        """--evaluate's two lines, and eval.json."""
+    def write_evaluation(metrics: dict, *, cfg, env: DistEnv, epoch: int, path: str,
+                         top5: bool = True) -> None:
+        """--evaluate's two lines (top-5 only with more than 5 classes: `top5`), and eval.json."""
         out_dir = cfg.out_dir
         log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
-        log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images")
+        log(f"Validation Top-5 Accuracy: {metrics['val_top5']:.4f} on {metrics['val_count']} images"
+            if top5 else f"Scored on {metrics['val_count']} images")
         record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
         write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), what="eval.json",
                       out_dir=out_dir, then="evaluate again")
@@ -137,8 +142,9 @@ def provenance(config: dict, ranks: list) -> dict:
     try:
         commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                                    capture_output=True, text=True, timeout=10).stdout.strip()) if commit else None
+        dirty = (bool(subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True, timeout=10).stdout.strip())
+                 if commit else None)
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
     cuda = torch.cuda.is_available()

@@ -21,8 +21,8 @@ from machinery.output import is_main_process, log, say
 
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
-# What asks a run to checkpoint and stop: Slurm's time-limit warning (USR1, as the job scripts ask for it), scancel,
-# the time limit and preemption (TERM), Ctrl-C (INT).
+# What asks a run to checkpoint and stop: Slurm's time-limit warning (USR1, as the job scripts ask for it),
+# scancel, the time limit and preemption (TERM), Ctrl-C (INT).
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
@@ -62,7 +62,8 @@ class StopRequest:
             say("\nSecond Ctrl-C: quitting now, without a checkpoint (the last one is intact).\n")
             os._exit(130)
         if signum == signal.SIGINT:
-            say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to quit now.\n")
+            say("\nCtrl-C: stopping at the next check (within 10 steps) with a checkpoint; Ctrl-C again to "
+                "quit now.\n")
         self.signal = signal.Signals(signum).name
 
     def requested_here(self) -> bool:
@@ -71,9 +72,10 @@ class StopRequest:
         return self.signal is not None
 
     def say_stopped(self, message: str) -> None:
-        """The stop's line, from rank 0, once its checkpoint is saved; with the job scripts' stop file, the same
-        line in a file beside it ($DDP_STOP_FILE.saved): how the job's shell knows that the ranks checkpointed,
-        whichever way the signal came (to the shell, or to the ranks alone) and whatever the launcher's status."""
+        """The stop's line, from rank 0, once its checkpoint is saved; with the job scripts' stop file, the
+        same line in a file beside it ($DDP_STOP_FILE.saved): how the job's shell knows that the ranks
+        checkpointed, whichever way the signal came (to the shell, or to the ranks alone) and whatever the
+        launcher's status."""
         log(message)
         if self.stop_file and is_main_process():
             with contextlib.suppress(OSError), open(self.stop_file + ".saved", "w") as f:
@@ -97,18 +99,20 @@ class StopRequest:
                              diverged.to(device=device, dtype=torch.float32)])
         stop, bad = all_reduce_max(flags).tolist()
         if bad and allow_nonfinite:
-            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: training "
-                            "diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
-                            "--amp bf16, then run again to resume from the last checkpoint")
+            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: "
+                            "training diverged, and stopped before saving; lower --base-lr, raise "
+                            "--warmup-epochs or use --amp bf16, then run again to resume from the last "
+                            "checkpoint")
         if bad:
             raise UserError("the training loss became NaN or infinite, so training stopped before saving "
-                            "anything from it (the last checkpoint is intact): lower --base-lr or raise --warmup-epochs")
+                            "anything from it (the last checkpoint is intact): lower --base-lr or raise "
+                            "--warmup-epochs")
         return bool(stop)
 
 
 # ---------------------------------------------------------------- the loader workers
-# Slurm (scancel, the time limit, preemption), `timeout`, container runtimes and a terminal send their signal to
-# every process of a run, the DataLoader workers included. A worker killed by it takes its rank down with
+# Slurm (scancel, the time limit, preemption), `timeout`, container runtimes and a terminal send their signal
+# to every process of a run, the DataLoader workers included. A worker killed by it takes its rank down with
 # "DataLoader worker ... is killed by signal" before the rank can checkpoint; so the workers ignore the stop
 # signals (the rank stops them once it has saved), and are started with the signals held back, so that one
 # sent while a worker starts up is neither fatal to it nor lost to the rank.
@@ -124,8 +128,8 @@ def stop_signals_held():
         atexit.register(end_workers_at_exit)  # after multiprocessing's own exit handler, so it runs before it
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        # The first spawn starts multiprocessing's resource tracker, whose start unblocks SIGINT and SIGTERM in
-        # this thread on its way out: start it first (born holding SIGUSR1 too), then hold them again.
+        # The first spawn starts multiprocessing's resource tracker, whose start unblocks SIGINT and SIGTERM
+        # in this thread on its way out: start it first (born holding SIGUSR1 too), then hold them again.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
@@ -137,9 +141,9 @@ _registered = []
 
 
 def end_workers_at_exit() -> None:
-    """At exit, the loader workers still up (their loader not freed yet, as in a reference cycle): SIGKILL, without
-    torch's "worker killed" error. multiprocessing's own exit handler would SIGTERM them, which they ignore, and
-    wait for them for ever."""
+    """At exit, the loader workers still up (their loader not freed yet, as in a reference cycle): SIGKILL,
+    without torch's "worker killed" error. multiprocessing's own exit handler would SIGTERM them, which they
+    ignore, and wait for them for ever."""
     children = multiprocessing.active_children()
     if children:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -163,10 +167,10 @@ def deaf_to_stop_signals(worker_id: int = 0) -> None:
 
 
 def quiet_resource_tracker() -> None:
-    """The DataLoader workers are spawned, which starts multiprocessing's resource tracker. After an exit at once
-    (a stop signal in a tool, a second Ctrl-C in training) it removes the semaphores the loader's queues leave,
-    and warns about them after this process's last line. Its warning, not its cleanup, is turned off here,
-    through the environment it starts with (so before the first worker)."""
+    """The DataLoader workers are spawned, which starts multiprocessing's resource tracker. After an exit at
+    once (a stop signal in a tool, a second Ctrl-C in training) it removes the semaphores the loader's queues
+    leave, and warns about them after this process's last line. Its warning, not its cleanup, is turned off
+    here, through the environment it starts with (so before the first worker)."""
     ours = "ignore:resource_tracker:UserWarning"
     current = os.environ.get("PYTHONWARNINGS", "")
     if ours not in current:
@@ -181,12 +185,12 @@ _stop = {"signum": None, "lock": threading.Lock()}
 
 
 def catch_stop_signals(grace_s: float = 1.5) -> None:
-    """SIGTERM and SIGINT raise StoppedBySignal in the main thread at its next Python instruction; once it (or whatever
-    it became on the way out) leaves the script, sys.excepthook ends the process with one line and exit status
-    128 + signum (exit_stopped), after the `finally` blocks on the way (the process group, the DataLoader
-    workers). A thread woken by the signal itself (signal.set_wakeup_fd) ends it the same way after `grace_s`
-    if the main thread is held up, e.g. in a C call that waits for a peer which has already left. Forked
-    processes (DataLoader workers) get the default handling back."""
+    """SIGTERM and SIGINT raise StoppedBySignal in the main thread at its next Python instruction; once it (or
+    whatever it became on the way out) leaves the script, sys.excepthook ends the process with one line and
+    exit status 128 + signum (exit_stopped), after the `finally` blocks on the way (the process group, the
+    DataLoader workers). A thread woken by the signal itself (signal.set_wakeup_fd) ends it the same way after
+    `grace_s` if the main thread is held up, e.g. in a C call that waits for a peer which has already left.
+    Forked processes (DataLoader workers) get the default handling back."""
     quiet_resource_tracker()
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
@@ -194,7 +198,8 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
     def on_signal(signum, frame):
         if _stop["signum"] is None:  # a second signal changes nothing: the thread below ends the process
             _stop["signum"] = signum
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # no DataLoader "worker killed" error on the way out
+            # no DataLoader "worker killed" error on the way out
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             raise StoppedBySignal(signum)
 
     def backstop():
@@ -214,7 +219,8 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
             exit_stopped(_stop["signum"])
         default(kind, value, tb)
 
-    def unraisable(info, default=sys.unraisablehook):  # a signal that lands in a __del__ is lost: the thread ends it
+    # a signal that lands in a __del__ is lost: the thread ends it
+    def unraisable(info, default=sys.unraisablehook):
         if not isinstance(info.exc_value, StoppedBySignal):
             default(info)
 
@@ -228,14 +234,17 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
 
 def exit_stopped(signum: int, flush: bool = True) -> None:
     """`script: [rank r: ]stopped by SIGTERM` on stderr, once, then exit 128 + signum at once."""
-    with _stop["lock"]:  # the main thread or the backstop, whichever comes first; the other waits here for the exit
+    # the main thread or the backstop, whichever comes first; the other waits here for the exit
+    with _stop["lock"]:
         for stream in (sys.stdout, sys.stderr) if flush else ():
             with contextlib.suppress(Exception):
                 stream.flush()
         env = read_dist_env()
         rank = f"rank {env.rank}: " if env.world_size > 1 else ""
-        os.write(2, f"{os.path.basename(sys.argv[0])}: {rank}stopped by {signal.Signals(signum).name}\n".encode())
-        mp = sys.modules.get("multiprocessing")  # DataLoader workers still up would outlive this process by seconds
+        os.write(2, (f"{os.path.basename(sys.argv[0])}: {rank}stopped by "
+                     f"{signal.Signals(signum).name}\n").encode())
+        # DataLoader workers still up would outlive this process by seconds
+        mp = sys.modules.get("multiprocessing")
         children = mp.active_children() if mp else []
         for child in children:  # SIGKILL: the loader workers ignore SIGTERM (deaf_to_stop_signals)
             with contextlib.suppress(Exception):

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.launch import host_name
-from machinery.output import is_main_process, log
+from machinery.output import describe_span, is_main_process, log
 
 # The phases a training step's time is split into, in the order a step passes them:
 PHASES = {
@@ -25,10 +25,36 @@ PHASES = {
     "optimizer": "in the optimizer step",  # the update, the grad scaler, the BatchNorm buffers kept
     "other": "in the loop's bookkeeping",  # the LR, progress lines; a mid-epoch checkpoint counts as sync
 }
-# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median of
-# the other ranks' by more than this. Below 10% the whole job loses less than a tenth of its speed to it, and ranks of
-# one job differ by a few percent from epoch to epoch anyway (the OS, the data's decoding, the network).
+# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median
+# of the other ranks' by more than this. Below 10% the whole job loses less than a tenth of its speed to it,
+# and ranks of one job differ by a few percent from epoch to epoch anyway (the OS, the data's decoding, the
+# network).
 SLOW_RANK_THRESHOLD = 0.10
+# ... and only when that costs the job at least this many seconds an epoch: a few tens of milliseconds in a
+# short CPU epoch are noise the user cannot act on.
+SLOW_RANK_FLOOR_S = 1.0
+
+
+class Clock:
+    """Marks in time, read later: on CUDA an event recorded in the stream (no host sync, so the GPU's
+    time), on CPU the wall clock. StepLog's clock, and bench.py's."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        """From mark a to mark b; on CUDA it waits for b (an event already passed returns at once)."""
+        if not self.cuda:
+            return b - a
+        b.synchronize()
+        return a.elapsed_time(b) / 1000
 
 
 class StepLog:
@@ -40,21 +66,18 @@ class StepLog:
     overlaps backward: what follows its last bucket's launch is sync) and checks, after an epoch's first
     step, that every parameter got a gradient. `profile_dir`: --profile's traces (Profiler)."""
 
-    def __init__(self, every: int, device: torch.device, *, timed: bool = True, profile_dir: str | None = None):
-        self.progress = ProgressLines(every)
+    def __init__(self, every: int, device: torch.device, *, timed: bool = True,
+                 profile_dir: str | None = None, epochs: int = 0):
+        self.progress = ProgressLines(every, epochs)
         self.device, self.timed, self.cuda = device, timed, device.type == "cuda"
+        self.clock = Clock(device)
+        self.now = self.clock.mark  # a mark in time, read at the epoch's end
         self.marks, self.steps, self.last_bucket, self.ddp = [], 0, None, None
         self.profiler = Profiler(profile_dir, self.cuda) if profile_dir else None
 
-    def now(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def start(self) -> None:
         """The epoch's training starts (or resumes) now."""
+        self.progress.start()
         self.marks, self.steps, self.last_bucket = [("start", self.now())] if self.timed else [], 0, None
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -94,13 +117,14 @@ class StepLog:
             self.profiler.finish()  # an epoch shorter than the window: what it recorded, not its evaluation
 
     def watch_ddp(self, ddp_model) -> None:
-        """DDP's own all-reduce (allreduce_hook is its default, in Python), with the time each bucket is handed
-        to it noted: the last one's is when backward's computation ended on this rank."""
+        """DDP's own all-reduce (allreduce_hook is its default, in Python), with the time each bucket is
+        handed to it noted: the last one's is when backward's computation ended on this rank."""
         def timed_allreduce(process_group, bucket):
             self.last_bucket = self.now()
             return allreduce_hook(process_group, bucket)
         # A weak reference: DDP holds this (through the hook), and a cycle would keep DDP alive until the
-        # process group is destroyed, which aborts the process at exit ("terminate called without an active exception").
+        # process group is destroyed, which aborts the process at exit ("terminate called without an
+        # active exception").
         self.ddp = weakref.ref(ddp_model)
         if self.timed:
             ddp_model.register_comm_hook(None, timed_allreduce)
@@ -110,11 +134,9 @@ class StepLog:
         split = dict.fromkeys(PHASES, 0.0)
         if len(self.marks) < 2:
             return split
-        if self.cuda:
-            self.marks[-1][1].synchronize()
         previous = self.marks[0][1]
         for phase, t in self.marks[1:]:
-            split[phase] += previous.elapsed_time(t) / 1000 if self.cuda else t - previous
+            split[phase] += self.clock.seconds(previous, t)
             previous = t
         return split
 
@@ -141,7 +163,8 @@ class ProgressLines:
     """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
     steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, epochs: int = 0):
+        self.epochs, self.trained_until, self.between_s = epochs, None, 0.0  # between: evaluation, checkpoint
         self.is_main = is_main_process()
         self.tty = self.is_main and sys.stdout.isatty()
         self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
@@ -151,19 +174,31 @@ class ProgressLines:
         """Every `every` steps, and after the run's first step: a slow start still shows signs of life."""
         return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
 
+    def start(self) -> None:
+        """An epoch's training starts: what came between it and the last one's (its evaluation, checkpoint and
+        records) counts in the run's ETA."""
+        if self.trained_until is not None:
+            self.between_s = time.perf_counter() - self.trained_until
+
     def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
         self.shown = True
         eta = elapsed / max(step, 1) * (steps - step)
         line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
                 f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
+        if self.epochs:  # this epoch's rest, then each epoch left at this one's pace, evaluation included
+            run_s = (eta + self.between_s
+                     + (self.epochs - epoch) * (elapsed / max(step, 1) * steps + self.between_s))
+            line += f" | run ETA {describe_span(run_s)}"
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
         """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
         if self.due(step):
-            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1), time.perf_counter() - t0)
+            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1),
+                      time.perf_counter() - t0)
 
     def clear(self) -> None:
+        self.trained_until = time.perf_counter()
         if self.tty:
             print("\r" + " " * 100 + "\r", end="", flush=True)
 
@@ -177,34 +212,38 @@ def check_parameters_used(model) -> None:
     if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
         return
     mine = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
-    unused = list(dict.fromkeys(name for names in all_gather(mine) for name in names))  # every rank's, in order
+    # Every rank's, in order.
+    unused = list(dict.fromkeys(name for names in all_gather(mine) for name in names))
     if unused:
         params = dict(ddp.module.named_parameters())
         values = sum(params[name].numel() for name in unused)
         shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got no gradient: "
-                        f"DDP needs every parameter in the loss of every step; use them in the loss or remove them "
-                        f"from the model, or pass --find-unused-parameters (DDP then searches the autograd graph "
-                        f"after every forward for them, which costs time in every step)")
+        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got "
+                        f"no gradient: DDP needs every parameter in the loss of every step; use them in the "
+                        f"loss or remove them from the model, or pass --find-unused-parameters (DDP then "
+                        f"searches the autograd graph after every forward for them, which costs time in "
+                        f"every step)")
 
 
-def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD) -> str | None:
+def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD,
+                   floor_s: float = SLOW_RANK_FLOOR_S) -> str | None:
     """The line naming the rank whose own time per step (all but waiting on the others) exceeds the median
-    of the other ranks' by more than `threshold` (with two ranks: the other's), and the phase that makes
-    most of the difference, or None."""
+    of the other ranks' by more than `threshold` (with two ranks: the other's) and by `floor_s` over the
+    epoch's steps, and the phase that makes most of the difference, or None."""
     if len(ranks) < 2 or not all(r["steps"] for r in ranks):
         return None
     own = [r["step_s"] - r["sync_s"] for r in ranks]
     slow = max(range(len(ranks)), key=own.__getitem__)
     others = [x for i, x in enumerate(ranks) if i != slow]
     median = statistics.median(own[:slow] + own[slow + 1:])
-    if median <= 0 or own[slow] <= median * (1 + threshold):
+    if (median <= 0 or own[slow] <= median * (1 + threshold)
+            or (own[slow] - median) * ranks[slow]["steps"] < floor_s):
         return None
     r = ranks[slow]
     excess = {p: r[f"{p}_s"] - statistics.median(x[f"{p}_s"] for x in others) for p in PHASES if p != "sync"}
     cause = max(excess, key=excess.get)
-    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the other ranks' median, "
-            f"{r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")
+    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the other ranks' "
+            f"median, {r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")
 
 
 class Profiler:
@@ -215,7 +254,8 @@ class Profiler:
     SKIP, ACTIVE = 3, 5
 
     def __init__(self, folder: str, cuda: bool):
-        self.folder, self.cuda, self.profile, self.first, self.last, self.done = folder, cuda, None, 0, 0, False
+        (self.folder, self.cuda, self.profile, self.first, self.last,
+         self.done) = folder, cuda, None, 0, 0, False
 
     def after_step(self, step: int) -> None:
         self.last = step
@@ -242,9 +282,9 @@ class Profiler:
             profile.export_chrome_trace(path)
         call_and_agree(write_trace)  # every rank writes its own; a failed write stops them all in one line
         steps = f"{self.first}-{self.last}" if self.last > self.first else f"{self.first}"
-        log(f"Profile of steps {steps} of this run's first epoch (counted from where it started or resumed) on every "
-            f"rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev or chrome://tracing). Rank 0's top operators "
-            f"by their own time:")
+        log(f"Profile of steps {steps} of this run's first epoch (counted from where it started or resumed) "
+            f"on every rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev or chrome://tracing). "
+            f"Rank 0's top operators by their own time:")
         if rank == 0:  # the table takes a while to build: only where it is shown
             sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
             log(profile.key_averages().table(sort_by=sort, row_limit=12))

@@ -27,8 +27,8 @@ TINY = ["--depth", "10", "--widen-factor", "1", "--workers", "0", "--timeout", "
 # The run the resume and fault tests stop, kill or corrupt (and conftest's `uninterrupted` runs whole):
 # 640 samples / 32 = 20 steps per epoch, a checkpoint every 4; dropout and a loader worker, so that
 # the RNG and loader states matter.
-CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 2,
-            "--dropout", 0.1, *TINY, "--workers", 1, "--checkpoint-every", 4]
+CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32,
+            "--epochs", 2, "--dropout", 0.1, *TINY, "--workers", 1, "--checkpoint-every", 4]
 
 # The accumulation runs (conftest's `accumulation_run`): 4 virtual ranks of 16, so 5 steps of 64 and a
 # short one of 45 (micro-batches of 12, 11, 11, 11) per epoch; BatchNorm in train mode, no dropout.
@@ -38,7 +38,8 @@ CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "-
 # instead of micro-step 0's is 0.36 off (measured).
 ACCUM_N_TRAIN = 365
 ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-size", 50, "--batch-size", 64,
-             "--epochs", 2, "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
+             "--epochs", 2, "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY,
+             "--device", "cpu"]
 
 
 # The metrics a resume may change: the timings (each rank's split, a slow rank named, the peak memory).
@@ -50,7 +51,8 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     from `cwd` (the project directory unless told)."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **(env or {})}
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc),
+                **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
@@ -65,18 +67,40 @@ def threads_per_rank(nproc: int) -> str:
 
 def job_recipe() -> list:
     """RECIPE from jobs/lib.sh, as bash expands it: the arguments every job script puts first."""
-    out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && printf "%s\\n" "${RECIPE[@]}"'],
+    out = subprocess.run(["bash", "-c",
+                          'PROJECT_DIR=. source jobs/lib.sh >/dev/null && printf "%s\\n" "${RECIPE[@]}"'],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     return out.splitlines()
 
 
-def loaders_both_ways(data, *, rank, device, batch_size, eval_batch, epoch, start):
-    """The (train, test) loaders of `data` on rank `rank` of 2, as DataLoaders and as DeviceLoaders on `device`,
-    the training ones set to `epoch` from position `start`: ((torch_train, torch_test), (dev_train, dev_test))."""
+def build_loaders(train, test, *, batch_size, rank, world_size, accum_steps, eval_batch, seed, workers,
+                  pin_memory, device=None, skip_bad_samples=0, val=None, augment=None, spec=None):
+    """dataset_utils.build_loaders from loose values, as the loader tests name them: (train, test), or (train,
+    test, val) with `val`. Without `spec`, one stating the first image's shape (no augmentation beyond the
+    crop)."""
     import dataset_utils as du
-    common = dict(batch_size=batch_size, rank=rank, world_size=2, accum_steps=1, eval_batch=eval_batch, seed=5,
-                  workers=0, pin_memory=False)
-    pairs = du.build_loaders(data, data, **common), du.build_loaders(data, data, **common, device=device)
+    from types import SimpleNamespace
+    if spec is None:
+        first = train if train is not None else test
+        shape = tuple(first.images.shape[1:]) if isinstance(first, du.ImageData) else tuple(first[0][0].shape)
+        spec = du.DataSpec(*shape, num_classes=0, mean=(0.0,) * shape[0], std=(1.0,) * shape[0])
+    flags = {**dict(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0),
+             **(augment or {})}
+    cfg = SimpleNamespace(batch_size=batch_size, accumulation_steps=accum_steps, eval_batch=eval_batch,
+                          seed=seed, num_workers=workers, skip_bad_samples=skip_bad_samples, **flags)
+    env = SimpleNamespace(rank=rank, world_size=world_size, cuda=pin_memory)
+    data = SimpleNamespace(train=train, test=test, val=val, spec=spec, device=device)
+    loaders = du.build_loaders(data, cfg, env)
+    return loaders if val is not None else loaders[:2]
+
+
+def loaders_both_ways(data, *, rank, device, batch_size, eval_batch, epoch, start):
+    """The (train, test) loaders of `data` on rank `rank` of 2, as DataLoaders and as DeviceLoaders on
+    `device`, the training ones set to `epoch` from position `start`: ((torch_train, torch_test), (dev_train,
+    dev_test))."""
+    common = dict(batch_size=batch_size, rank=rank, world_size=2, accum_steps=1, eval_batch=eval_batch,
+                  seed=5, workers=0, pin_memory=False)
+    pairs = build_loaders(data, data, **common), build_loaders(data, data, **common, device=device)
     for train, _ in pairs:
         train.batch_sampler.set_epoch(epoch, start=start)
     return pairs
@@ -100,7 +124,8 @@ def learnable_images(labels, rng, noise=24.0):
     phase = classes.uniform(0, 2 * np.pi, size=100)
     yy, xx = np.mgrid[0:32, 0:32]
     grating = np.stack([np.sin(2 * np.pi * (fx * xx + fy * yy) / 32 + p) for (fx, fy), p in zip(freq, phase)])
-    imgs = colour[labels] + 45 * grating[labels][:, None] + rng.normal(0, noise, size=(len(labels), 3, 32, 32))
+    imgs = (colour[labels] + 45 * grating[labels][:, None]
+            + rng.normal(0, noise, size=(len(labels), 3, 32, 32)))
     return np.clip(imgs, 0, 255).astype(np.uint8)
 
 
@@ -184,11 +209,13 @@ def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
     """torchrun (or plain python) in the background, its output in a file (by default the out-dir's
     path + .log); returns (process, log path)."""
     log = str(log or os.path.join(str(args[args.index("--out-dir") + 1]) + ".log"))
-    launcher = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra] if torchrun else [sys.executable]
+    launcher = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra] if torchrun
+                else [sys.executable])
     cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
     f = open(log, "w")
     proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc),
+                            env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                 "OMP_NUM_THREADS": threads_per_rank(nproc),
                                  **(env or {})}, start_new_session=True)
     STARTED.append(proc)
     return proc, log
@@ -237,14 +264,16 @@ def every_process(proc):
 @contextlib.contextmanager
 def paused(pids):
     """The processes `pids` (a training's launcher and ranks) stopped (SIGSTOP) while the block runs: what the
-    block does (a stop file, a signal, a full disk) lands at a known point of training, however fast the machine."""
+    block does (a stop file, a signal, a full disk) lands at a known point of training, however fast the
+    machine."""
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
         yield
     finally:
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError):  # gone meanwhile: Slurm's kill sends its own SIGCONT
+            # gone meanwhile: Slurm's kill sends its own SIGCONT
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
 
@@ -277,7 +306,8 @@ def assert_one_line(output, *parts):
     assert len(errors) == 1, output  # from rank 0 alone
     for part in parts:
         assert part in errors[0], errors[0]
-    assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)  # no traceback of ours
+    # no traceback of ours
+    assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)
     assert "timed out" not in output and "lost another rank" not in output  # the cause, not a hang after it
     return errors[0]
 

@@ -21,6 +21,9 @@ def test_ranks_times_accumulation_steps_constant_gives_the_same_training(accumul
         for a, b in zip(m_ref, m_got):
             assert a["train_samples"] == b["train_samples"] == ACCUM_N_TRAIN  # every sample once per epoch
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+            # summed over every rank's micro-batches: the same but for near-ties
+            assert 0 < a["train_acc"] <= 1
+            assert a["train_acc"] == pytest.approx(b["train_acc"], abs=2 / ACCUM_N_TRAIN)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
 
 

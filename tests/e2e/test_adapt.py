@@ -15,7 +15,8 @@ import dataset_utils as du
 from support import ROOT, SCRIPTS, TINY, assert_one_line, launch, load_model_state, read_json, read_jsonl
 
 FASHION = "/usr/share/datasets/fashion-mnist"
-FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz" for split in ("train", "t10k") for kind, d in (("images", 3), ("labels", 1))]
+FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz"
+                 for split in ("train", "t10k") for kind, d in (("images", 3), ("labels", 1))]
 
 
 def readme_load_data(marker: str) -> str:
@@ -33,7 +34,8 @@ def adapted_script(folder, **functions) -> str:
     src = open(os.path.join(ROOT, "train_ddp.py")).read()
     for name, new in functions.items():
         start = src.index(f"\ndef {name}(") + 1
-        end = re.compile(r"^\S", re.M).search(src, src.index("\n", start) + 1).start()  # the next top-level line
+        # the next top-level line
+        end = re.compile(r"^\S", re.M).search(src, src.index("\n", start) + 1).start()
         src = src[:start] + new.strip("\n") + "\n\n\n" + src[end:]
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "train_ddp.py")
@@ -46,13 +48,15 @@ ADAPTED_ENV = {"PYTHONPATH": ROOT}
 
 
 def run_adapted(script, args, nproc=2, check=True, env=None):
-    return launch(args, nproc=nproc, script=script, env={**ADAPTED_ENV, **(env or {})}, check=check, timeout=900)
+    return launch(args, nproc=nproc, script=script, env={**ADAPTED_ENV, **(env or {})}, check=check,
+                  timeout=900)
 
 
 def require_fashion_mnist():
     missing = [f for f in FASHION_FILES if not os.path.isfile(os.path.join(FASHION, f))]
     if missing:
-        hint = f"Fashion-MNIST is not in {FASHION}: apt-get update && apt-get install -y dataset-fashion-mnist"
+        hint = (f"Fashion-MNIST is not in {FASHION}: apt-get update && apt-get install -y "
+                f"dataset-fashion-mnist")
         if os.environ.get("CI") == "true":
             pytest.fail(hint)
         pytest.skip(hint)
@@ -70,8 +74,8 @@ def read_idx(path) -> torch.Tensor:
 # --------------------------------------------------------------------------- the README's worked example
 
 # What the README's command runs: WRN-10-1, the paper's LR per 128 samples, 3 epochs of all 60,000 images.
-FASHION_RUN = ["--data-dir", FASHION, *TINY, "--batch-size", 128, "--base-lr", 0.1, "--reference-batch-size", 128,
-               "--epochs", 3, "--log-every", 0]
+FASHION_RUN = ["--data-dir", FASHION, *TINY, "--batch-size", 128, "--base-lr", 0.1,
+               "--reference-batch-size", 128, "--epochs", 3, "--log-every", 0]
 
 
 def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
@@ -81,7 +85,10 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
     script = adapted_script(tmp_path / "code", load_data=block)
     out = tmp_path / "run"
     first = run_adapted(script, [*FASHION_RUN, "--out-dir", out, "--stop-after-epoch", 1])
-    assert "Data: 60000 training and 10000 test images of 1 x 28 x 28, 10 classes" in first.stdout
+    assert (f"Data: Fashion-MNIST in {FASHION}: 60000 training and 10000 test images of 1 x 28 x 28, "
+            f"10 classes" in first.stdout)
+    # not cifar100
+    assert read_json(os.path.join(out, "config.json"))["data"] == f"Fashion-MNIST in {FASHION}"
     assert "Stopping after epoch 1 as asked" in first.stdout
     second = run_adapted(script, [*FASHION_RUN, "--out-dir", out])
     assert "Resumed from" in second.stdout and "Training completed successfully." in second.stdout
@@ -90,8 +97,8 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
     assert [m["epoch"] for m in metrics] == [1, 2, 3]
     assert all(m["train_samples"] == 60_000 and m["val_count"] == 10_000 for m in metrics)
     final = metrics[-1]
-    print(f"Fashion-MNIST, 2 ranks: top-1 {final['val_acc']:.4f} after {sum(m['epoch_time_s'] for m in metrics):.0f} s "
-          f"of training")
+    print(f"Fashion-MNIST, 2 ranks: top-1 {final['val_acc']:.4f} after "
+          f"{sum(m['epoch_time_s'] for m in metrics):.0f} s of training")
     assert final["val_acc"] >= 0.85
 
     # The data described themselves: 1 channel of 28 x 28, 10 classes, and the training set's statistics
@@ -103,11 +110,13 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
     assert spec["std"][0] == pytest.approx(images.std(unbiased=False).item(), abs=1e-9)
     ckpt = load_model_state(out)
     assert json.loads(json.dumps(ckpt["config"]["data_spec"])) == spec  # tuples there, lists in JSON
-    assert ckpt["model_config"] == {"name": "WRN-10-1", "depth": 10, "widen_factor": 1, "in_channels": 1, "num_classes": 10}
+    assert ckpt["model_config"] == {"name": "WRN-10-1", "depth": 10, "widen_factor": 1, "in_channels": 1,
+                                    "num_classes": 10}
     assert ckpt["model"]["conv1.weight"].shape[1] == 1 and ckpt["model"]["fc.weight"].shape[0] == 10
 
     ev = run_adapted(script, ["--evaluate", "--out-dir", out, "--timeout", 120])
-    assert "Evaluating" in ev.stdout and "(WRN-10-1 with 10 classes, 3 of 3 epochs trained) on 10000 test images" in ev.stdout
+    assert ("Evaluating" in ev.stdout
+            and "(WRN-10-1 with 10 classes, 3 of 3 epochs trained) on 10000 test images" in ev.stdout)
     result = read_json(out / "eval.json")
     assert result["val_count"] == 10_000 and result["val_acc"] == final["val_acc"]
 
@@ -156,7 +165,9 @@ def test_load_data_alone_adapts_to_another_shape_and_class_count(tmp_path, shape
     script = adapted_script(tmp_path / "code", load_data=block)
     out = tmp_path / "run"
     proc = run_adapted(script, [*SHAPED_RUN, "--out-dir", out, "--loader", loader])
-    assert f"Data: 480 training and 150 test images of {c} x {h} x {w}, {k} classes" in proc.stdout
+    assert (f"Data: ImageData from load_data: 480 training and 150 test images of {c} x {h} x {w}, "
+            f"{k} classes" in proc.stdout)
+    assert ("Validation Top-5 Accuracy" in proc.stdout) == (k > 5)  # with 5 classes or fewer it is always 1
     metrics = read_jsonl(out / "metrics.jsonl")
     assert all(m["train_samples"] == 480 and m["val_count"] == 150 for m in metrics)
     assert metrics[-1]["val_acc"] >= 0.6, metrics  # chance is 1/k: it learned from images of this shape
@@ -236,7 +247,8 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
     run = [*FOLDER_RUN, "--data-dir", png_folder]
     reference = tmp_path / "reference"
     proc = run_adapted(script, [*run, "--out-dir", reference])
-    assert "Data: 600 training and 200 test images of 1 x 28 x 28, 10 classes; per-channel mean (0.286,)" in proc.stdout
+    assert (": 600 training and 200 test images of 1 x 28 x 28, 10 classes; per-channel mean (0.286,)"
+            in proc.stdout)
     metrics = read_jsonl(reference / "metrics.jsonl")
     assert all(m["train_samples"] == 600 and m["val_count"] == 200 for m in metrics)
 
@@ -244,7 +256,8 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
     # uninterrupted run, bit for bit.
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()
-    stopped = run_adapted(script, [*run, "--out-dir", out], check=False, env={"DDP_STOP_FILE": str(stop_file)})
+    stopped = run_adapted(script, [*run, "--out-dir", out], check=False,
+                          env={"DDP_STOP_FILE": str(stop_file)})
     assert stopped.returncode != 0 and "Stop requested (stop file" in stopped.stdout
     assert load_model_state(out)["progress"]["position"] == 320  # 10 steps of 32: mid-epoch
     stop_file.unlink()
@@ -261,25 +274,29 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
         result = read_json(reference / "eval.json")
         assert result["val_count"] == 200 and result["val_acc"] == metrics[-1]["val_acc"]
 
-    # A Dataset is read by the DataLoader's workers: --loader gpu, which holds the data on the device, refuses it.
-    refused = run_adapted(script, [*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=1, check=False)
+    # A Dataset is read by the DataLoader's workers: --loader gpu, which holds the data on the device, refuses
+    # it.
+    refused = run_adapted(script, [*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=1,
+                          check=False)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
-    assert refused.returncode != 0 and len(errors) == 1 and "--loader gpu needs the data in memory" in errors[0]
+    assert (refused.returncode != 0 and len(errors) == 1
+            and "--loader gpu needs the data in memory" in errors[0])
 
 
 # --------------------------------------------------------------------------- a real folder, as users have it
 
 # torchvision's ImageFolder as it is (RGB): what a user writes without the README's reader.
-PLAIN_FOLDER_LOAD_DATA = FOLDER_LOAD_DATA.replace("v2.Compose([v2.Grayscale(), v2.PILToTensor()])", "v2.PILToTensor()")\
-    .replace("(0.286,), (0.353,)", "(0.286,) * 3, (0.353,) * 3")
+PLAIN_FOLDER_LOAD_DATA = (FOLDER_LOAD_DATA
+                          .replace("v2.Compose([v2.Grayscale(), v2.PILToTensor()])", "v2.PILToTensor()")
+                          .replace("(0.286,), (0.353,)", "(0.286,) * 3, (0.353,) * 3"))
 APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        "  # the header of a Mac's ._ file
 
 
 @pytest.fixture(scope="module")
 def messy_folder(png_folder, tmp_path_factory):
-    """png_folder as real folders come: unpacked from a Mac's tar (a ._ file beside each image of class_0), with
-    .DS_Store files and a notebook's checkpoints; some images greyscale with alpha, palette or 16-bit; and a test
-    folder that lacks class_3 (no test images of it yet)."""
+    """png_folder as real folders come: unpacked from a Mac's tar (a ._ file beside each image of class_0),
+    with .DS_Store files and a notebook's checkpoints; some images greyscale with alpha, palette or 16-bit;
+    and a test folder that lacks class_3 (no test images of it yet)."""
     from PIL import Image
     root = tmp_path_factory.mktemp("messy")
     shutil.copytree(png_folder, root, dirs_exist_ok=True)
@@ -292,7 +309,8 @@ def messy_folder(png_folder, tmp_path_factory):
     Image.new("L", (28, 28)).save(root / "train" / "class_2" / ".ipynb_checkpoints" / "00000-checkpoint.png")
     for i, png in enumerate(sorted((root / "train" / "class_1").glob("*.png"))[:3]):
         grey = Image.open(png)
-        converted = [grey.convert("LA"), grey.convert("P"), Image.fromarray((np.asarray(grey).astype(np.uint16) * 257))]
+        converted = [grey.convert("LA"), grey.convert("P"),
+                     Image.fromarray((np.asarray(grey).astype(np.uint16) * 257))]
         converted[i].save(png)
     return root
 
@@ -309,17 +327,21 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
     readme = adapted_script(tmp_path / "readme", load_data=readme_load_data("image folders"))
     proc = run_adapted(readme, [*FOLDER_RUN, "--epochs", 1, "--data-dir", messy_folder, "--out-dir", out])
     assert f"{messy_folder}/train: left out {hidden} hidden files (names that start with '.'" in proc.stdout
-    assert f"Data: 600 training and {n_test} test images of 3 x 28 x 28, 10 classes" in proc.stdout
+    assert (f"Data: ImageFolderSplit of {messy_folder}/train: 600 training and {n_test} test images of "
+            f"3 x 28 x 28, 10 classes" in proc.stdout)
     assert read_json(out / "config.json")["data_spec"]["classes"] == [f"class_{k}" for k in range(10)]
     assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == n_test < 200
 
     plain = adapted_script(tmp_path / "plain", load_data=PLAIN_FOLDER_LOAD_DATA)
-    for args, source in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"], "the training split's"),
-                         (["--evaluate", "--out-dir", out, "--timeout", 60], "the checkpoint's training split's")):
+    for args, source in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"],
+                          "the training split's"),
+                         (["--evaluate", "--out-dir", out, "--timeout", 60],
+                          "the checkpoint's training split's")):
         refused = run_adapted(plain, args, check=False)
         assert refused.returncode != 0 and "Training started" not in refused.stdout
-        assert_one_line(refused.stdout + refused.stderr, f"error: the test split's classes are not {source}: it lacks "
-                        "'class_3', so its labels would name other classes")
+        assert_one_line(refused.stdout + refused.stderr, f"error: the test split's classes are not {source}: "
+                                                         "it lacks 'class_3', so its labels would name other "
+                                                         "classes")
 
 
 # --------------------------------------------------------------------------- another model
@@ -340,8 +362,9 @@ def model_config(cfg, data) -> dict:
 def test_build_model_and_model_config_alone_adapt_to_another_model(tmp_path, learnable_dir):
     script = adapted_script(tmp_path / "code", build_model=SMALL_CNN, model_config=SMALL_CNN_CONFIG)
     out = tmp_path / "run"
-    run = ["--data-dir", learnable_dir, "--out-dir", out, "--workers", 0, "--timeout", 120, "--batch-size", 64,
-           "--base-lr", 0.2, "--reference-batch-size", 64, "--train-size", 1500, "--epochs", 3, "--log-every", 0]
+    run = ["--data-dir", learnable_dir, "--out-dir", out, "--workers", 0, "--timeout", 120,
+           "--batch-size", 64, "--base-lr", 0.2, "--reference-batch-size", 64, "--train-size", 1500,
+           "--epochs", 3, "--log-every", 0]
     run_adapted(script, [*run, "--stop-after-epoch", 1])
     resumed = run_adapted(script, run)
     assert "Resumed from" in resumed.stdout and "Training completed successfully." in resumed.stdout

@@ -10,7 +10,8 @@ import torch
 
 from support import ACCUM_RUN, TINY, launch, write_cifar100
 
-SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
+SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
+         "--epochs", 1, *TINY]
 OFFLINE = {"CIFAR100_URL": "http://127.0.0.1:9/cifar-100-python.tar.gz"}  # refused at once, as offline
 
 
@@ -56,7 +57,8 @@ def test_bad_arguments_are_refused_in_one_line(finished_run, args, expected):
 def test_batch_that_the_world_size_does_not_divide_is_refused_naming_one_that_does(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--batch-size", 63], nproc=2, check=False)
-    assert_refused(proc, "--batch-size 63 must be a positive multiple of the world size 2; try --batch-size 64",
+    assert_refused(proc,
+                   "--batch-size 63 must be a positive multiple of the world size 2; try --batch-size 64",
                    torchrun=True)
     assert snapshot(finished_run) == before
 
@@ -81,8 +83,8 @@ def test_checkpoint_of_another_model_is_refused_under_torchrun(finished_run):
     before = snapshot(finished_run)
     proc = launch([*SMALL, "--out-dir", finished_run, "--depth", 16], nproc=2, check=False)
     assert_refused(proc, "--depth 16 differs from the 10 of the checkpoint in", torchrun=True)
-    assert f"of the checkpoint in {finished_run}, which trained another model: use another --out-dir for a new run, or " \
-           "--depth 10 to continue it" in proc.stderr
+    assert (f"of the checkpoint in {finished_run}, which trained another model: use another --out-dir for a "
+            "new run, or --depth 10 to continue it" in proc.stderr)
     assert snapshot(finished_run) == before
 
 

@@ -50,7 +50,8 @@ def test_ddp_step_matches_single_process_math(tmp_path):
 def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
     out = tmp_path / "run"
     common = ["--data-dir", learnable_dir, "--out-dir", out, "--test-size", 301, *TINY]
-    launch(["--train-size", 1000, "--epochs", 2, "--warmup-epochs", 0, "--batch-size", 64, "--base-lr", 0.4, *common])
+    launch(["--train-size", 1000, "--epochs", 2, "--warmup-epochs", 0, "--batch-size", 64,
+            "--base-lr", 0.4, *common])
     results = []
     for n in (1, 2, 3):
         proc = launch(["--evaluate", "--batch-size", 6, *common], nproc=n)
@@ -65,37 +66,42 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
         assert r["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
 
 
-def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_the_out_dir_or_test_size(tmp_path):
+def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_the_out_dir_or_test_size(
+        tmp_path):
     out = tmp_path / "run"
     # 3 ranks, 2 test images: rank 2 scores nothing. A DDP forward in evaluation would wait for it forever.
-    run = [*TINY_SYNTH, "--train-size", 60, "--test-size", 2, "--batch-size", 6, "--epochs", 1, "--timeout", 60]
+    run = [*TINY_SYNTH, "--train-size", 60, "--test-size", 2, "--batch-size", 6, "--epochs", 1,
+           "--timeout", 60]
     proc = launch([*run, "--out-dir", out], nproc=3, timeout=300)
     assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == 2
     # Nothing but --out-dir: the model (WRN-10-1, not the default 16-8) and the data (synthetic, not
     # CIFAR-100) come from the checkpoint; its batch 6 need not divide by the 4 ranks to evaluate.
     ev = launch(["--evaluate", "--out-dir", out, "--timeout", 60], nproc=4, timeout=300)
     lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
-    assert lines[0] == f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained) on 2 test " \
-                       f"images with 4 processes"
+    assert lines[0] == (f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained) "
+                        f"on 2 test images with 4 processes")
     assert lines[1].startswith("Validation Loss:") and lines[2].startswith("Validation Top-5 Accuracy:")
     assert len(lines) == 3, ev.stdout  # no training lines
     result = read_json(out / "eval.json")
     assert result["val_count"] == 2 and result["epoch"] == 1 and result["world_size"] == 4
     assert result["val_acc"] == read_jsonl(out / "metrics.jsonl")[0]["val_acc"]
     assert "Validation Accuracy: " in proc.stdout
-    # --test-size chooses what --evaluate scores (a longer share of the test set, say); training may not change it.
+    # --test-size chooses what --evaluate scores (a longer share of the test set, say); training may not
+    # change it.
     launch(["--evaluate", "--out-dir", out, "--test-size", 5], torchrun=False)
     assert read_json(out / "eval.json")["val_count"] == 5
     refused = launch([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5], torchrun=False, check=False)
-    assert refused.returncode != 0 and "--test-size 5 differs from the 2 of the checkpoint" in refused.stdout + refused.stderr
+    assert (refused.returncode != 0
+            and "--test-size 5 differs from the 2 of the checkpoint" in refused.stdout + refused.stderr)
     assert "which trained on other data: use another --out-dir" in refused.stderr
 
 
 def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path):
-    common = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32, "--epochs", 1,
-              "--dropout", 0.1, *TINY]
+    common = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
+              "--epochs", 1, "--dropout", 0.1, *TINY]
     launch([*common, "--out-dir", tmp_path / "torch", "--loader", "torch", "--workers", 1], nproc=2)
-    launch([*common, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)  # device-resident, here on CPU
+    # device-resident, here on CPU
+    launch([*common, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)
     a, b = load_model_state(tmp_path / "torch"), load_model_state(tmp_path / "gpu")
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k

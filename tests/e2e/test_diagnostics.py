@@ -38,8 +38,8 @@ def load_data(cfg, env, train=True):
 '''
 
 # 20 steps of 32 per rank per epoch on 2 ranks; WRN-10-1 takes about 50 ms a step here.
-TIMED_RUN = ["--dataset", "synthetic", "--train-size", 1280, "--test-size", 64, "--batch-size", 64, "--epochs", 2,
-             *TINY, "--workers", 1, "--loader", "torch", "--log-every", 0]
+TIMED_RUN = ["--dataset", "synthetic", "--train-size", 1280, "--test-size", 64, "--batch-size", 64,
+             "--epochs", 2, *TINY, "--workers", 1, "--loader", "torch", "--log-every", 0]
 # The slow rank's one worker sleeps 20 ms a sample, 640 ms a batch: many times a step on any machine that
 # runs the suite, so that its wait for data cannot hide behind the prefetch. 10 steps an epoch keep it short.
 SLOW_RUN = [*TIMED_RUN, "--train-size", 640]
@@ -52,13 +52,16 @@ def slow_data_script(tmp_path_factory):
 
 def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, tmp_path):
     out = tmp_path / "run"
-    proc = run_adapted(slow_data_script, [*SLOW_RUN, "--out-dir", out], env={"SLOW_RANK": "1", "SLOW_DELAY": "0.02"})
+    proc = run_adapted(slow_data_script, [*SLOW_RUN, "--out-dir", out],
+                       env={"SLOW_RANK": "1", "SLOW_DELAY": "0.02"})
     rows = read_jsonl(out / "metrics.jsonl")
     for row in rows:  # every epoch: rank 1 named, its cause data
-        assert row["slow_rank"].startswith("rank 1 on ") and row["slow_rank"].endswith("of its step waiting for data")
+        assert (row["slow_rank"].startswith("rank 1 on ")
+                and row["slow_rank"].endswith("of its step waiting for data"))
         slow, fast = row["rank_times"][1], row["rank_times"][0]
-        # Its data time the larger, and the fast rank the one that waits: orderings, not a ratio of two measured
-        # times (on 2 cores the fast rank's own loading takes time too, by how much depends on the machine).
+        # Its data time the larger, and the fast rank the one that waits: orderings, not a ratio of two
+        # measured times (on 2 cores the fast rank's own loading takes time too, by how much depends on the
+        # machine).
         assert slow["data_s"] > fast["data_s"] and fast["sync_s"] > slow["sync_s"]
     lines = [line for line in proc.stdout.splitlines() if "held the others back" in line]
     assert len(lines) == 2 and all(line.startswith("warning: one rank held the others back: rank 1 on ")
@@ -73,7 +76,8 @@ def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_
     assert "held the others back" not in proc.stdout
     for row in read_jsonl(out / "metrics.jsonl"):
         assert "slow_rank" not in row
-        assert [r["rank"] for r in row["rank_times"]] == [0, 1] and all(r["steps"] == 20 for r in row["rank_times"])
+        assert ([r["rank"] for r in row["rank_times"]] == [0, 1]
+                and all(r["steps"] == 20 for r in row["rank_times"]))
         # The phases are measured from the epoch's first step to its loss sums, on each rank's clock. Rank 0's
         # steps add up to the epoch's time it logs, taken from the same two points, within 1% (what lies
         # between the points and the marks: microseconds); rank 1's within 10% (it starts the epoch a little
@@ -88,8 +92,8 @@ def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_
 
 # 320 training images (20 steps of 16 on 2 ranks: a check at step 10, mid-epoch) and 64 test images of
 # 16 x 16 RGB, 4 classes, as PNG files; one DataLoader worker per rank reads them.
-FOLDER_RUN = [*TINY, "--batch-size", 16, "--epochs", 2, "--workers", 1, "--loader", "torch", "--device", "cpu",
-              "--log-every", 0, "--timeout", 60]
+FOLDER_RUN = [*TINY, "--batch-size", 16, "--epochs", 2, "--workers", 1, "--loader", "torch",
+              "--device", "cpu", "--log-every", 0, "--timeout", 60]
 
 
 def write_png_folder(root, n_train=320, n_test=64):
@@ -131,7 +135,8 @@ def test_unreadable_image_ends_both_ranks_in_one_line_naming_the_file(tmp_path, 
     with open(bad, "wb") as f:
         f.write(b"not a png")
     out = tmp_path / "run"
-    proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--out-dir", out], check=False)
+    proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--out-dir", out],
+                       check=False)
     name = "training" if split == "train" else "test"
     assert_clean_stop(proc, f"{name} sample 5 ({bad}): UnidentifiedImageError", "fix or remove the file")
     assert ("--skip-bad-samples N" in proc.stderr) == (split == "train")
@@ -142,10 +147,10 @@ def test_image_of_another_size_is_named_with_a_resize_as_the_way_out(tmp_path, f
     from PIL import Image
     paths = write_png_folder(tmp_path / "data")
     Image.new("RGB", (20, 20), (90, 40, 200)).save(paths["train"][7], format="PNG")
-    proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "run"],
-                       check=False)
-    assert_clean_stop(proc, f"training sample 7 ({paths['train'][7]}): an image of 3 x 20 x 20 uint8, not 3 x 16 x 16",
-                      "v2.Resize((16, 16))")
+    proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data",
+                                       "--out-dir", tmp_path / "run"], check=False)
+    assert_clean_stop(proc, f"training sample 7 ({paths['train'][7]}): an image of 3 x 20 x 20 uint8, "
+                            f"not 3 x 16 x 16", "v2.Resize((16, 16))")
     assert "stack expects each tensor to be equal size" not in proc.stderr
 
 
@@ -159,15 +164,18 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     whole = run_adapted(folder_script, [*run, "--out-dir", reference])
     for row in read_jsonl(reference / "metrics.jsonl"):
         assert row["skipped_samples"] == 2 and row["train_samples"] == 318
-    skipped = sorted(line.split(" (", 1)[0] for line in whole.stdout.splitlines() if line.startswith("warning: skipped"))
+    skipped = sorted(line.split(" (", 1)[0] for line in whole.stdout.splitlines()
+                     if line.startswith("warning: skipped"))
     assert skipped == ["warning: skipped training sample 200", "warning: skipped training sample 200",
                        "warning: skipped training sample 3", "warning: skipped training sample 3"]
 
     # Stopped at the first check (step 10 of 20) and resumed: the same samples skipped, the same weights.
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()
-    stopped = run_adapted(folder_script, [*run, "--out-dir", out], check=False, env={"DDP_STOP_FILE": str(stop_file)})
-    assert "Stop requested (stop file" in stopped.stdout and load_model_state(out)["progress"]["position"] == 160
+    stopped = run_adapted(folder_script, [*run, "--out-dir", out], check=False,
+                          env={"DDP_STOP_FILE": str(stop_file)})
+    assert ("Stop requested (stop file" in stopped.stdout
+            and load_model_state(out)["progress"]["position"] == 160)
     stop_file.unlink()
     resumed = run_adapted(folder_script, [*run, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
     assert [row["skipped_samples"] for row in read_jsonl(out / "metrics.jsonl")] == [2, 2]
@@ -180,9 +188,10 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     # One more bad sample than allowed: the run stops in one line when it meets the third.
     open(paths["train"][100], "wb").close()
     proc = run_adapted(folder_script, [*run, "--out-dir", tmp_path / "over"], check=False)
-    assert_clean_stop(proc, "more than 2 unreadable training samples this epoch (--skip-bad-samples 2; the log names "
-                            "them)", "raise --skip-bad-samples")
-    assert proc.stdout.count("warning: unreadable training sample") + proc.stdout.count("warning: skipped") >= 3
+    assert_clean_stop(proc, "more than 2 unreadable training samples this epoch (--skip-bad-samples 2; the "
+                            "log names them)", "raise --skip-bad-samples")
+    assert (proc.stdout.count("warning: unreadable training sample") + proc.stdout.count("warning: skipped")
+            >= 3)
 
 
 # --------------------------------------------------------------------------- parameters left out of the loss
@@ -202,8 +211,8 @@ def test_model_with_an_unused_head_ends_both_ranks_in_one_line_and_trains_with_t
     script = adapted_script(tmp_path / "code", build_model=UNUSED_HEAD_MODEL)
     run = [*TIMED_RUN, "--epochs", 1, "--workers", 0]
     proc = run_adapted(script, [*run, "--out-dir", tmp_path / "run"], check=False)
-    assert_clean_stop(proc, "parameters aux_head.weight, aux_head.bias (2 tensors, 27 values) got no gradient",
-                      "--find-unused-parameters")
+    assert_clean_stop(proc, "parameters aux_head.weight, aux_head.bias (2 tensors, 27 values) got no "
+                            "gradient", "--find-unused-parameters")
     assert "Expected to have finished reduction" not in proc.stderr
     proc = run_adapted(script, [*run, "--out-dir", tmp_path / "flagged", "--find-unused-parameters"])
     assert read_jsonl(tmp_path / "flagged" / "metrics.jsonl")[-1]["train_samples"] == 1280

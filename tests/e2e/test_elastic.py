@@ -18,8 +18,8 @@ from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, launch,
 # 2400 samples, global batch 60: 40 steps per epoch, a checkpoint every 5 of them. Epochs of a few
 # seconds leave time for a second agent to start (a few seconds of imports) while the run is going on.
 N_TRAIN = 2400
-RUN = ["--dataset", "synthetic", "--train-size", N_TRAIN, "--test-size", 100, "--batch-size", 60, "--epochs", 3,
-       "--micro-batch", 30, "--base-lr", 0.4, "--warmup-epochs", 0.5, "--checkpoint-every", 5,
+RUN = ["--dataset", "synthetic", "--train-size", N_TRAIN, "--test-size", 100, "--batch-size", 60,
+       "--epochs", 3, "--micro-batch", 30, "--base-lr", 0.4, "--warmup-epochs", 0.5, "--checkpoint-every", 5,
        "--log-every", 5, *TINY, "--device", "cpu"]
 
 
@@ -46,7 +46,8 @@ def start_agent(out, port, name):
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # as jobs/multinode.sh sets it (see there)
     log = f"{out}.{name}.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     STARTED.append(proc)
     return proc, log
 

@@ -74,8 +74,8 @@ def test_hung_peer_times_out_naming_the_rank_that_never_arrived_and_sigusr2_dump
     output = text(log)
     assert "most recent call first" in output
     # Rank 0 names rank 1 and its host (the store knows who never arrived), and says nothing vaguer.
-    assert f"error: rank 0: a collective operation timed out after 8 s: rank 1 on {socket.gethostname()} never " \
-           f"reached it (hung" in output
+    assert (f"error: rank 0: a collective operation timed out after 8 s: rank 1 on {socket.gethostname()} "
+            f"never reached it (hung" in output)
     assert "another rank is hung or dead" not in output
     assert waited < 30, f"took {waited:.0f} s, not about --timeout"
 
@@ -88,17 +88,18 @@ def test_rendezvous_timeout_names_what_timed_out(tmp_path):
            "MASTER_PORT": str(port)}  # rank 1 never comes
     t0 = time.time()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_ddp.py"), "--dataset", "synthetic",
-                           "--timeout", "4", "--out-dir", str(tmp_path / "run")], env=env, capture_output=True,
-                          text=True, timeout=120)
+                           "--timeout", "4", "--out-dir", str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and time.time() - t0 < 60
-    assert f"timed out after 4 s in init_process_group waiting for all 2 ranks at 127.0.0.1:{port}" in proc.stderr
+    assert (f"timed out after 4 s in init_process_group waiting for all 2 ranks at 127.0.0.1:{port}"
+            in proc.stderr)
     assert "Traceback" not in proc.stderr
 
 
 def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
     out = tmp_path / "run"
-    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32, "--epochs", 2,
-            "--out-dir", out, *TINY]
+    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32,
+            "--epochs", 2, "--out-dir", out, *TINY]
     launch([*base, "--stop-after-epoch", 1], torchrun=False)
     good = (out / "checkpoint.pt").read_bytes()
     proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
@@ -109,12 +110,13 @@ def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
 
 def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
-    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32, "--epochs", 2,
-            "--out-dir", out, "--amp", "fp16", *TINY]
+    base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32,
+            "--epochs", 2, "--out-dir", out, "--amp", "fp16", *TINY]
     launch([*base, "--stop-after-epoch", 1], torchrun=False)
     good = (out / "checkpoint.pt").read_bytes()
     proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "error: the training loss was NaN or infinite in most fp16 steps since the last check" in proc.stderr
+    assert ("error: the training loss was NaN or infinite in most fp16 steps since the last check"
+            in proc.stderr)
     assert "--amp bf16" in proc.stderr
     assert (out / "checkpoint.pt").read_bytes() == good

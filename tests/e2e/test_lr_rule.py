@@ -13,12 +13,13 @@ def test_the_lr_rule_carries_a_tuned_run_to_a_4x_larger_batch():
     batch 16; 84.2/86.0% linear, 61.2/57.4% unscaled at batch 64."""
     with tempfile.TemporaryDirectory() as d:
         write_cifar100(d, 2000, 500, archive=False, noise=40.0)
-        common = ["--data-dir", d, "--epochs", 6, "--base-lr", 0.05, "--reference-batch-size", 16, "--warmup-epochs", 1,
-                  "--target-accuracy", 1.0, "--log-every", 0, *TINY, "--device", "cpu"]
+        common = ["--data-dir", d, "--epochs", 6, "--base-lr", 0.05, "--reference-batch-size", 16,
+                  "--warmup-epochs", 1, "--target-accuracy", 1.0, "--log-every", 0, *TINY, "--device", "cpu"]
         acc = {}
-        for name, flags in {"small": ["--batch-size", 16],
-                            "linear": ["--batch-size", 64, "--micro-batch", 16],
-                            "none": ["--batch-size", 64, "--micro-batch", 16, "--lr-scaling", "none"]}.items():
+        for name, flags in {
+                "small": ["--batch-size", 16],
+                "linear": ["--batch-size", 64, "--micro-batch", 16],
+                "none": ["--batch-size", 64, "--micro-batch", 16, "--lr-scaling", "none"]}.items():
             proc = launch([*common, *flags, "--out-dir", f"{d}/{name}"], torchrun=False)
             acc[name] = read_jsonl(f"{d}/{name}/metrics.jsonl")[-1]["val_acc"]
             if name != "small":
@@ -37,9 +38,10 @@ def test_the_original_preset_trains_at_the_original_script_s_lr_for_its_job_s_fl
     """The original job's flags (--batch-size 1024 --base-lr 0.04 ...) with --recipe original train at 0.04,
     constant from the first step, as the original script did; without it the linear rule makes 0.08."""
     original_job = ["--batch-size", 1024, "--base-lr", 0.04, "--target-accuracy", 0.95, "--patience", 2]
-    run = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 64, "--epochs", 2, "--micro-batch", 128,
-           "--log-every", 0, *TINY, "--device", "cpu"]
-    proc = launch([*original_job, "--recipe", "original", *run, "--out-dir", tmp_path / "original"], torchrun=False)
+    run = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 64, "--epochs", 2,
+           "--micro-batch", 128, "--log-every", 0, *TINY, "--device", "cpu"]
+    proc = launch([*original_job, "--recipe", "original", *run, "--out-dir", tmp_path / "original"],
+                  torchrun=False)
     assert "LR 0.04 (--base-lr as given, --lr-scaling none; constant after 0 warm-up epochs)" in proc.stdout
     assert [m["lr"] for m in read_jsonl(tmp_path / "original" / "metrics.jsonl")] == [0.04, 0.04]
     default = launch([*original_job, *run, "--epochs", 1, "--out-dir", tmp_path / "default"], torchrun=False)

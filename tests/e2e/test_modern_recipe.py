@@ -1,35 +1,34 @@
 """The modern recipe's options through the real entry point, on 2 CPU ranks: each option keeps what sets this
-reference apart (a mid-epoch stop and resume ends bit-identical to the uninterrupted run; W ranks x A micro-steps
-train as W x A ranks), and each behaviour does what it says: the weight EMA is updated every step, scored, saved
-and what --evaluate scores; clipping bounds the update and reports the norm of the unscaled gradients under fp16;
-the validation split is held out, selects best.pt and leaves the test set to report; --init-from starts from a
-file's weights (another head afresh, another layer refused); a resume that changes the recipe is refused.
-(The pieces in-process: tests/unit/test_modern_options.py.)"""
+reference apart (a mid-epoch stop and resume ends bit-identical to the uninterrupted run; W ranks x A
+micro-steps train as W x A ranks), and each behaviour does what it says: the weight EMA is updated every step,
+scored, saved and what --evaluate scores; clipping bounds the update and reports the norm of the unscaled
+gradients under fp16; the validation split is held out, selects best.pt and leaves the test set to report;
+--init-from starts from a file's weights (another head afresh, another layer refused); a resume that changes
+the recipe is refused. (The pieces in-process: tests/unit/test_modern_options.py.)"""
 import pytest
 import torch
 
-from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch, load_model_state, read_json,
-                     read_jsonl)
+from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch, load_model_state,
+                     read_json, read_jsonl)
 
-# 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check (step 10).
+# 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check
+# (step 10).
 RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32, "--epochs", 1,
        "--base-lr", 0.1, "--reference-batch-size", 128, *TINY, "--device", "cpu"]
-# Each option's pair of runs: 2 ranks x 2 micro-steps of 16 (test_accumulation.py's run, one epoch: 5 steps of 64 and
-# one of 45), stopped at step 3 and resumed, against the same uninterrupted, and against 1 rank x 4 micro-steps.
+# Each group's runs: 2 ranks x 2 micro-steps of 16 (test_accumulation.py's run, one epoch: 5 steps of 64 and
+# one of 45), stopped at step 3 and resumed, against the same uninterrupted, and against 1 rank x 4
+# micro-steps.
 ACCUM = ["--dataset", "synthetic", "--train-size", 365, "--test-size", 50, "--batch-size", 64, "--epochs", 1,
          "--micro-batch", 16, "--base-lr", 0.1, "--warmup-epochs", 0.5, *TINY, "--device", "cpu"]
 
+# Every option of the modern recipe, in two groups that train together (one launch per group and question, not
+# per option): an option whose state a resume lost, or that trained otherwise on 1 x 4, changes its group's
+# weights. Mixup and cutmix are in different groups, so that each runs alone (together they take turns).
 OPTIONS = {
-    "model-ema": ["--model-ema", "--model-ema-decay", 0.9],
-    "clip-grad-norm": ["--clip-grad-norm", 0.3],
-    "random-erase": ["--random-erase", 0.5],
-    "auto-augment": ["--auto-augment", "ta_wide"],
-    "mixup": ["--mixup-alpha", 0.4],
-    "cutmix": ["--cutmix-alpha", 1.0],
-    "norm-weight-decay": ["--norm-weight-decay", 0],
-    "tta": ["--tta"],
-    "val-size": ["--val-size", 64],
-    "init-from": ["--init-from", "WEIGHTS"],  # replaced by a state_dict the test writes
+    "ema-clip-mixup-nwd-tta-val": ["--model-ema", "--model-ema-decay", 0.9, "--clip-grad-norm", 0.3,
+                                   "--mixup-alpha", 0.4, "--norm-weight-decay", 0, "--tta", "--val-size", 64],
+    "erase-ta-cutmix-init": ["--random-erase", 0.5, "--auto-augment", "ta_wide", "--cutmix-alpha", 1.0,
+                             "--init-from", "WEIGHTS"],  # replaced by a state_dict the test writes
 }
 
 
@@ -45,7 +44,8 @@ def options(name, tmp_path):
 
 def assert_same_state(a, b):
     """Two checkpoints hold the same model (and weight EMA) bit for bit, at the same place."""
-    assert a["progress"]["position"] == b["progress"]["position"] and a["progress"]["epoch"] == b["progress"]["epoch"]
+    assert (a["progress"]["position"] == b["progress"]["position"]
+            and a["progress"]["epoch"] == b["progress"]["epoch"])
     for part in ("model", "model_ema"):
         assert (part in a) == (part in b)
         for k, v in a.get(part, {}).items():
@@ -58,8 +58,8 @@ def without_timings(metrics):
 
 @pytest.fixture(scope="module")
 def two_by_two(tmp_path_factory):
-    """two_by_two(name): the out-dir of the uninterrupted 2 ranks x 2 micro-steps run with that option, and its
-    flags; each once per module (both tests below compare with it)."""
+    """two_by_two(name): the out-dir of the uninterrupted 2 ranks x 2 micro-steps run with that option, and
+    its flags; each once per module (both tests below compare with it)."""
     base, done = tmp_path_factory.mktemp("modern"), {}
 
     def run(name):
@@ -76,15 +76,16 @@ def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, two_
     reference, flags = two_by_two(name)
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()  # seen at the first check: --checkpoint-every 3 makes step 3 one
-    first = launch([*flags, "--checkpoint-every", 3, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)},
-                   check=False)
+    first = launch([*flags, "--checkpoint-every", 3, "--out-dir", out], nproc=2,
+                   env={"DDP_STOP_FILE": str(stop_file)}, check=False)
     assert first.returncode != 0 and "in epoch 1 after step 3" in first.stdout, first.stdout + first.stderr
     assert load_model_state(out)["progress"]["position"] == 192
     stop_file.unlink()
     second = launch([*flags, "--out-dir", out], nproc=2)
     assert "Resumed from" in second.stdout and "Initialised from" not in second.stdout
     assert_same_state(load_model_state(out), load_model_state(reference))
-    assert without_timings(read_jsonl(out / "metrics.jsonl")) == without_timings(read_jsonl(reference / "metrics.jsonl"))
+    assert (without_timings(read_jsonl(out / "metrics.jsonl"))
+            == without_timings(read_jsonl(reference / "metrics.jsonl")))
 
 
 @pytest.mark.parametrize("name", OPTIONS)
@@ -114,11 +115,14 @@ def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(
     assert [m["scored"] for m in metrics] == ["model_ema"] * 2
     launch(["--evaluate", "--out-dir", out], nproc=2)
     scored = read_json(out / "eval.json")
-    assert scored["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-9)  # the EMA, as the epoch scored it
-    # The EMA does not change training: the same run without it trains the same weights, and they score otherwise.
+    # the EMA, as the epoch scored it
+    assert scored["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-9)
+    # The EMA does not change training: the same run without it trains the same weights, and they score
+    # otherwise.
     launch([*RUN, "--epochs", 2, "--out-dir", tmp_path / "raw"], nproc=2)
     assert torch.equal(load_model_state(tmp_path / "raw")["model"]["fc.weight"], ckpt["model"]["fc.weight"])
-    assert read_jsonl(tmp_path / "raw" / "metrics.jsonl")[-1]["val_loss"] != pytest.approx(metrics[-1]["val_loss"])
+    assert (read_jsonl(tmp_path / "raw" / "metrics.jsonl")[-1]["val_loss"]
+            != pytest.approx(metrics[-1]["val_loss"]))
 
 
 def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path):
@@ -131,7 +135,8 @@ def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path)
     lr, steps = 0.1 * 32 / 128, 20
     for name, tensor in load_model_state(tmp_path / "tiny")["model"].items():
         if name.endswith(("weight", "bias")) and "running" not in name:
-            assert (tensor - start[name]).abs().max() <= lr * steps * 1e-6 * 1.01, name  # each step moves <= lr x 1e-6
+            # each step moves <= lr x 1e-6
+            assert (tensor - start[name]).abs().max() <= lr * steps * 1e-6 * 1.01, name
     moved = max((t - start[n]).abs().max() for n, t in load_model_state(tmp_path / "free")["model"].items()
                 if n.endswith(("weight", "bias")))
     assert moved > 1e-3
@@ -147,7 +152,7 @@ def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path)
 def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(tmp_path):
     out = tmp_path / "run"
     proc = launch([*RUN, "--epochs", 3, "--val-size", 64, "--out-dir", out], nproc=2)
-    assert "Data: 576 training and 64 test images" in proc.stdout
+    assert "Data: synthetic (learnable, of CIFAR-100's shape): 576 training and 64 test images" in proc.stdout
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["train_samples"] for m in metrics] == [576] * 3  # the 64 held out are never trained on
     assert all(m["val_count"] == 64 and m["test_count"] == 64 for m in metrics)
@@ -158,7 +163,8 @@ def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(t
     assert best_ckpt["progress"]["epoch"] == best + 1
     summary = read_json(out / "summary.json")
     assert summary["final_test_acc"] == metrics[-1]["test_acc"]
-    assert summary["best_val_epoch"] == best + 1 and summary["test_acc_at_best_val"] == metrics[best]["test_acc"]
+    assert (summary["best_val_epoch"] == best + 1
+            and summary["test_acc_at_best_val"] == metrics[best]["test_acc"])
     assert summary["best_val_acc"] == max(accs)
     # Early stopping follows the validation split: a target it reaches at epoch 1 ends the run there.
     early = launch([*RUN, "--epochs", 3, "--val-size", 64, "--target-accuracy", 0.0, "--patience", 1,
@@ -168,7 +174,8 @@ def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(t
 
 def test_without_val_size_the_test_set_is_the_original_script_s_validation(tmp_path):
     launch([*RUN, "--out-dir", tmp_path / "run"], nproc=2)
-    metrics, summary = read_jsonl(tmp_path / "run" / "metrics.jsonl"), read_json(tmp_path / "run" / "summary.json")
+    metrics, summary = (read_jsonl(tmp_path / "run" / "metrics.jsonl"),
+                        read_json(tmp_path / "run" / "summary.json"))
     assert "test_acc" not in metrics[0] and metrics[0]["val_count"] == 64
     assert summary["final_test_acc"] == summary["final_val_acc"] == metrics[-1]["val_acc"]
     assert not (tmp_path / "run" / "best.pt").exists()
@@ -177,17 +184,22 @@ def test_without_val_size_the_test_set_is_the_original_script_s_validation(tmp_p
 def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_path):
     first = tmp_path / "first"
     launch([*RUN, "--model-ema", "--out-dir", first], nproc=2)
-    still = [*RUN, "--base-lr", 1e-12, "--weight-decay", 0]  # training that leaves the weights where they start
-    second = launch([*still, "--init-from", first / "checkpoint.pt", "--out-dir", tmp_path / "second"], nproc=2)
+    # training that leaves the weights where they start
+    still = [*RUN, "--base-lr", 1e-12, "--weight-decay", 0]
+    second = launch([*still, "--init-from", first / "checkpoint.pt", "--out-dir", tmp_path / "second"],
+                    nproc=2)
     assert f"Initialised from the weight EMA in {first}/checkpoint.pt" in second.stdout
-    ema = {k.removeprefix("module."): v for k, v in load_model_state(first)["model_ema"].items() if k != "n_averaged"}
+    ema = {k.removeprefix("module."): v for k, v in load_model_state(first)["model_ema"].items()
+           if k != "n_averaged"}
     for name, tensor in load_model_state(tmp_path / "second")["model"].items():
         if name.endswith(("weight", "bias")) and "running" not in name:
             assert torch.allclose(tensor, ema[name], atol=1e-9), name
     torch.save({"conv1.weight": torch.zeros(16, 1, 3, 3)}, tmp_path / "gray.pt")
-    refused = launch([*RUN, "--init-from", tmp_path / "gray.pt", "--out-dir", tmp_path / "third"], nproc=2, check=False)
+    refused = launch([*RUN, "--init-from", tmp_path / "gray.pt", "--out-dir", tmp_path / "third"], nproc=2,
+                     check=False)
     assert refused.returncode != 0
-    assert_one_line(refused.stderr, "--init-from", "gray.pt: layer conv1.weight is (16, 1, 3, 3), the model's (16, 3, 3, 3)")
+    assert_one_line(refused.stderr,
+                    "--init-from", "gray.pt: layer conv1.weight is (16, 1, 3, 3), the model's (16, 3, 3, 3)")
     assert not (tmp_path / "third" / "checkpoint.pt").exists()
 
 
@@ -196,11 +208,13 @@ def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_ot
     launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out], nproc=2)
     before = load_model_state(out)
     for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
-                         (["--mixup-alpha", 0.2, "--model-ema"], "--model-ema True differs from the False the checkpoint"),
+                         (["--mixup-alpha", 0.2, "--model-ema"],
+                          "--model-ema True differs from the False the checkpoint"),
                          (["--mixup-alpha", 0.2, "--val-size", 64], "--val-size 64 differs from the 0")):
         proc = launch([*RUN, "--epochs", 2, *change, "--out-dir", out], nproc=2, check=False)
         assert proc.returncode != 0
         assert_one_line(proc.stderr, says)
         assert_same_state(load_model_state(out), before)  # the checkpoint kept
     resumed = launch([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out], nproc=2)
-    assert "resumed with changes: --tta False -> True" not in resumed.stdout and "Epoch 2/2 completed" in resumed.stdout
+    assert ("resumed with changes: --tta False -> True" not in resumed.stdout
+            and "Epoch 2/2 completed" in resumed.stdout)

@@ -32,7 +32,8 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_killed_run_does_not_loc
     kill_all(proc)  # kill -9 of torchrun and both ranks: no cleanup runs
     assert (out / "run.lock").exists()
     third = launch(run, nproc=2)
-    assert f"note: took over {out}/run.lock from host {socket.gethostname()}, pid {owner['pid']}" in third.stdout
+    assert (f"note: took over {out}/run.lock from host {socket.gethostname()}, pid {owner['pid']}"
+            in third.stdout)
     assert f"its process {owner['pid']} is gone" in third.stdout
     assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     assert not (out / "run.lock").exists()  # released at the end
@@ -43,7 +44,8 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     common = [*RUN, "--checkpoint-every", 5, "--timeout", 90]
     first, first_log = start([*common, "--out-dir", out], nproc=2)
     wait_for(lambda: (out / "checkpoint.pt").exists(), what="the first checkpoint")
-    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)], capture_output=True, text=True).stdout.split()]
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)],
+                                            capture_output=True, text=True).stdout.split()]
     for pid in ranks:  # paused between two checkpoints, while the second run starts and takes the lock
         os.kill(pid, signal.SIGSTOP)
     os.unlink(out / "run.lock")  # as the busy-out-dir message invites, when a run "is surely gone"
@@ -56,10 +58,13 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     resumed = time.time()
     assert first.wait(timeout=60) != 0
     took = time.time() - resumed
-    assert_one_line(text(first_log), f"another run took over --out-dir {out} (host {owner['host']}, pid {owner['pid']}",
+    assert_one_line(text(first_log),
+                    f"another run took over --out-dir {out} (host {owner['host']}, pid {owner['pid']}",
                     "so this one stops without writing there")
     print(f"lost lock: every rank out {took:.1f} s after it ran on")
     assert took < 30, took  # at its next checkpoint (5 steps), not after --timeout (90 s)
-    assert (out / "run.lock").exists() and json.loads((out / "run.lock").read_text())["token"] == owner["token"]
-    assert second.wait(timeout=300) == 0, text(second_log)  # its lock and its checkpoints untouched by the first
+    assert ((out / "run.lock").exists()
+            and json.loads((out / "run.lock").read_text())["token"] == owner["token"])
+    # its lock and its checkpoints untouched by the first
+    assert second.wait(timeout=300) == 0, text(second_log)
     assert "error: " not in text(second_log) and re.search(r"Resumed from .*checkpoint\.pt", text(second_log))

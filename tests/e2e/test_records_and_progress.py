@@ -13,7 +13,8 @@ import torch
 from support import ROOT, TINY, launch, read_json, read_jsonl, require_package
 
 # 256 samples / 32 = 8 steps per epoch.
-SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32, "--epochs", 2, *TINY]
+SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
+         "--epochs", 2, *TINY]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,8 @@ def two_runs(tmp_path_factory):
 
 def test_progress_lines_in_batch_logs_come_after_the_first_step_then_every_n_from_rank_0(two_runs):
     _, _, log = two_runs
-    lines = re.findall(r"^  epoch (\d) step (\d)/8 \| \d+ img/s \| loss \d+\.\d{4} \| epoch ETA \d+ s$", log, re.M)
+    lines = re.findall(r"^  epoch (\d) step (\d)/8 \| \d+ img/s \| loss \d+\.\d{4} \| epoch ETA \d+ s \| run "
+                       r"ETA (?:\d+ h )?\d+ (?:min|s)$", log, re.M)
     # After the first step (signs of life on a slow start), then every 4 steps; from rank 0 only.
     assert lines == [("1", "1"), ("1", "4"), ("1", "8"), ("2", "4"), ("2", "8")]
 
@@ -36,7 +38,8 @@ def test_run_json_records_the_config_every_rank_the_versions_the_commit_and_the_
     run = read_json(first / "run.json")
     assert run["config"] == read_json(first / "config.json")
     assert run["config"]["seed"] == 0 and run["config"]["world_size"] == 2 and run["world_size"] == 2
-    assert [r["rank"] for r in run["ranks"]] == [0, 1] and all(r["host"] and r["device"] for r in run["ranks"])
+    assert ([r["rank"] for r in run["ranks"]] == [0, 1]
+            and all(r["host"] and r["device"] for r in run["ranks"]))
     assert run["versions"]["torch"] == torch.__version__
     assert run["versions"]["python"] == sys.version.split()[0]
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -45,40 +48,60 @@ def test_run_json_records_the_config_every_rank_the_versions_the_commit_and_the_
     else:
         assert run["git_commit"] is None
     assert run["start_time"] <= run["end_time"]
-    assert run["slurm"] == {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and "TOKEN" not in k}
+    assert run["slurm"] == {k: v for k, v in os.environ.items()
+                            if k.startswith("SLURM_") and "TOKEN" not in k}
 
 
-def test_plot_draws_loss_accuracy_and_throughput_per_epoch_for_each_run(two_runs, tmp_path):
+def test_plot_draws_one_titled_figure_of_loss_accuracy_throughput_lr_and_each_rank_s_time(two_runs, tmp_path):
     require_package("matplotlib")
     import plot
     first, second, _ = two_runs
-    figures = plot.plot_runs([str(first), str(second)], str(tmp_path))
-    # Two runs: train and validation loss each, top-1 and top-5 each, one throughput curve each.
-    expected = {"loss.png": 4, "accuracy.png": 4, "throughput.png": 2}
-    for name, curves in expected.items():
-        lines = figures[name].axes[0].get_lines()
-        assert len(lines) == curves, name
-        assert all(list(line.get_xdata()) == [1, 2] for line in lines)
-        png = (tmp_path / name).read_bytes()
-        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    labels = [t.get_text() for t in figures["loss.png"].axes[0].get_legend().get_texts()]
-    assert labels == ["first train", "first validation", "second train", "second validation"]
+    path = str(tmp_path / "both.png")
+    (figure,) = plot.plot_runs([str(first), str(second)], path).values()
+    png = (tmp_path / "both.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    # the model, the global batch and the LR
+    assert figure._suptitle.get_text() == ("WRN-10-1, global batch 32, peak LR 0.000625 (synthetic "
+                                           "(learnable, of CIFAR-100's shape))")
+    loss, accuracy, throughput, lr, ranks = figure.axes
+    assert [ax.get_ylabel() for ax in (loss, accuracy, throughput, lr)] == [
+        "loss", "top-1 accuracy", "training images/s", "LR (epoch's end)"]
+    labels = [line.get_label() for line in accuracy.get_lines()]
+    assert labels == ["first train", "first test", "second train", "second test"]  # what each accuracy is
+    assert [line.get_label() for line in loss.get_lines()] == labels
+    rows = read_jsonl(first / "metrics.jsonl")
+    assert list(accuracy.get_lines()[0].get_ydata()) == [m["train_acc"] for m in rows]
+    # Throughput from epoch 2 on; epoch 1, which holds the start-up, marked apart.
+    first_ips, first_start = throughput.get_lines()[:2]
+    assert list(first_ips.get_xdata()) == [2] and list(first_start.get_xdata()) == [1]
+    assert first_start.get_label() == "first: epoch 1, with the start-up"
+    assert len(lr.get_lines()) == 1  # the LR once, not in every panel
+    # Each rank's split of its step time in the first run's last epoch: a bar per rank, a colour per phase.
+    assert [t.get_text() for t in ranks.get_yticklabels()] == [f"rank {r['rank']} ({r['host']})"
+                                                               for r in rows[-1]["rank_times"]]
+    assert ([t.get_text() for t in ranks.get_legend().get_texts()]
+            == ["data", "compute", "sync", "optimizer", "other"])
+    figure.canvas.draw()  # the legends sit beside the curves, not over them
+    for ax in (loss, accuracy, throughput):
+        assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
 
 
-def test_plot_draws_the_seeds_of_one_configuration_as_their_mean_with_a_band_and_the_lr_below(two_runs, tmp_path):
+def test_plot_draws_the_seeds_of_one_configuration_as_their_mean_with_a_band(two_runs, tmp_path):
     require_package("matplotlib")
     import plot
     first, second, _ = two_runs
     for i, run in enumerate((first, second)):  # two seeds of one configuration
         (tmp_path / f"cfg-seed{i}").mkdir()
         (tmp_path / f"cfg-seed{i}" / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text())
-    figures = plot.plot_runs([str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1")], str(tmp_path))
-    ax, ax_lr = figures["loss.png"].axes
+    (figure,) = plot.plot_runs([str(tmp_path / "cfg-seed0"), str(tmp_path / "cfg-seed1")],
+                               str(tmp_path / "cfg.png")).values()
+    ax, ax_lr = figure.axes[0], figure.axes[3]
     rows = [read_jsonl(run / "metrics.jsonl") for run in (first, second)]
     train, val = ax.get_lines()
     assert train.get_label() == "cfg train (2 seeds)" and val.get_linestyle() == "--"
     assert train.get_color() == val.get_color()  # one colour per configuration, a style per quantity
-    assert list(train.get_ydata()) == [pytest.approx((a["train_loss"] + b["train_loss"]) / 2) for a, b in zip(*rows)]
+    assert list(train.get_ydata()) == [pytest.approx((a["train_loss"] + b["train_loss"]) / 2)
+                                       for a, b in zip(*rows)]
     assert len(ax.collections) == 2  # a band (min to max over the seeds) per quantity
     assert list(ax_lr.get_lines()[0].get_ydata()) == [m["lr"] for m in rows[0]]
 
@@ -93,7 +116,8 @@ def test_tensorboard_logs_every_epoch_metric_as_a_scalar(tmp_path):
     events.Reload()
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2
-    numbers = [key for key, value in rows[0].items() if isinstance(value, (int, float))]  # not rank_times' list
+    # not rank_times' list
+    numbers = [key for key, value in rows[0].items() if isinstance(value, (int, float))]
     assert set(events.Tags()["scalars"]) == set(numbers)  # every number, nothing else
     for key in numbers:
         assert [(e.step, e.value) for e in events.Scalars(key)] == [
@@ -108,7 +132,8 @@ def test_tensorboard_without_the_package_is_refused_in_one_line_before_anything_
     (stub / "__init__.py").write_text("raise ImportError('tensorboard is not installed (a test stand-in)')\n")
     out = tmp_path / "run"
     proc = launch([*SMALL, "--epochs", 1, "--out-dir", out, "--tensorboard"], torchrun=False, check=False,
-                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "stub"), os.environ.get("PYTHONPATH")]))})
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "stub"),
+                                                                   os.environ.get("PYTHONPATH")]))})
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
     assert errors[0].startswith("error: --tensorboard needs the tensorboard package: pip install tensorboard")
@@ -120,7 +145,8 @@ def test_progress_is_one_live_line_on_a_terminal(tmp_path):
     master, slave = pty.openpty()
     args = [str(a) for a in [*SMALL, "--epochs", 1, "--train-size", 640, "--out-dir", tmp_path / "run"]]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ddp.py"), *args], cwd=ROOT,
-                            stdout=slave, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                            stdout=slave, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"})
     os.close(slave)
     chunks = []
     while True:
@@ -149,17 +175,21 @@ def test_plot_of_a_run_with_no_finished_epoch_says_so_and_draws_nothing(tmp_path
     assert not (tmp_path / "plots").exists() or not os.listdir(tmp_path / "plots")
 
 
-def test_plot_writes_to_runs_plots_by_default_which_git_ignores(two_runs, tmp_path):
-    """Without --out, plot.py writes under runs/plots of the directory it runs in; in the project
-    directory, git ignores that."""
+def test_plot_writes_beside_one_run_or_named_after_several_in_runs_plots_which_git_ignores(two_runs,
+                                                                                           tmp_path):
+    """Without --out, one run's figure goes beside it (RUN/curves.png); several runs' to runs/plots/ of the
+    directory plot.py runs in, named after them, so that a call on other runs never overwrites it; in the
+    project directory, git ignores runs/."""
     require_package("matplotlib")
     first, second, _ = two_runs
     proc = launch([first, second], torchrun=False, script="plot.py", cwd=tmp_path)
-    written = sorted(os.listdir(tmp_path / "runs" / "plots"))
-    assert written == ["accuracy.png", "loss.png", "throughput.png"]
-    assert sorted(proc.stdout.split()) == [os.path.join("runs", "plots", name) for name in written]
+    assert proc.stdout.split() == [os.path.join("runs", "plots", "first+second.png")]
+    launch([second, first], torchrun=False, script="plot.py", cwd=tmp_path)  # other runs, or another order
+    assert sorted(os.listdir(tmp_path / "runs" / "plots")) == ["first+second.png", "second+first.png"]
     assert sorted(os.listdir(tmp_path)) == ["runs"]  # nothing else, anywhere else here
-    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", *[f"runs/plots/{name}" for name in written]],
+    proc = launch([first], torchrun=False, script="plot.py", cwd=tmp_path)
+    assert proc.stdout.split() == [str(first / "curves.png")] and (first / "curves.png").is_file()
+    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "runs/plots/first+second.png"],
                              capture_output=True, text=True)
     if ignored.returncode != 128:  # 128: not a git checkout
-        assert ignored.stdout.split() == [f"runs/plots/{name}" for name in written]
+        assert ignored.stdout.split() == ["runs/plots/first+second.png"]

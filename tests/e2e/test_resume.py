@@ -3,17 +3,20 @@ mid-epoch); it keeps the global batch and the LR schedule on another world size,
 with another batch size, the micro-batch and the trajectory on fewer ranks; it proceeds with a note
 when only how the run goes changed (and with another precision); and a run on other data or another
 model is refused, the checkpoint kept. (Resumes after faults: test_fault_tolerance.py; after Ctrl-C:
-test_ctrl_c.py; under elastic torchrun: test_elastic.py; of older or foreign checkpoints: test_bad_input.py.)"""
+test_ctrl_c.py; under elastic torchrun: test_elastic.py; of older or foreign checkpoints:
+test_bad_input.py.)"""
 import os
 
 import pytest
 import torch
 
-from support import (ACCUM_RUN, CKPT_RUN, TIMING_METRICS, TINY, assert_close_models, assert_same_weights, launch, load_model_state,
-                     launcher_and_ranks, paused, read_json, read_jsonl, start, text, wait_for, write_cifar100)
+from support import (ACCUM_RUN, CKPT_RUN, TIMING_METRICS, TINY, assert_close_models, assert_same_weights,
+                     launch, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl, start, text,
+                     wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
-SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32, "--epochs", 1, *TINY]
+SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
+         "--epochs", 1, *TINY]
 
 
 # --------------------------------------------------------------------------- exact resumes
@@ -28,7 +31,8 @@ def test_resume_is_exact(tmp_path, learnable_dir):
     assert "Stopping after epoch 1" in first.stdout
     assert read_json(resumed / "summary.json")["finished"] is False
     second = launch([*common, "--out-dir", resumed], nproc=2)
-    assert "Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout and "Epoch 2/2" in second.stdout
+    assert ("Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout
+            and "Epoch 2/2" in second.stdout)
 
     a, b = load_model_state(straight), load_model_state(resumed)
     assert a["progress"]["epoch"] == b["progress"]["epoch"] == 2
@@ -41,7 +45,8 @@ def test_resume_is_exact(tmp_path, learnable_dir):
     assert [m["epoch"] for m in mb] == [1, 2]
     timing = set(TIMING_METRICS)
     for x, y in zip(ma, mb):
-        assert {k: v for k, v in x.items() if k not in timing} == {k: v for k, v in y.items() if k not in timing}
+        assert ({k: v for k, v in x.items() if k not in timing}
+                == {k: v for k, v in y.items() if k not in timing})
     summary = read_json(resumed / "summary.json")
     assert summary["finished"] is True and summary["epochs_completed"] == 2
 
@@ -73,7 +78,8 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     """Stopped in the middle of epoch 2 on 2 ranks, resumed on 3: the same global batch (48), the LR of
     every epoch that of an uninterrupted 2-rank run, every epoch's samples each trained once, and the
     run finishes. (The weights differ from the uninterrupted run's by float summation order only.)"""
-    run = [a if a != 32 else 48 for a in CKPT_RUN]  # 48 divides by 2 and by 3: 14 steps per epoch, the last of 16
+    # 48 divides by 2 and by 3: 14 steps per epoch, the last of 16
+    run = [a if a != 32 else 48 for a in CKPT_RUN]
     reference, out, stop_file = tmp_path / "reference", tmp_path / "run", tmp_path / "stop"
     launch([*run, "--out-dir", reference], nproc=2)
     proc, log = start([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
@@ -89,10 +95,12 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     stop_file.unlink()
     second = launch([*run, "--out-dir", out], nproc=3)
     assert "Global batch 48 = 3 ranks x 16" in second.stdout  # the same global batch, on 3 ranks
-    assert "note: 2 ranks x 1 accumulation steps x 24 before, 3 x 1 x 16 now: the same global batch" in second.stdout
+    assert ("note: 2 ranks x 1 accumulation steps x 24 before, 3 x 1 x 16 now: the same global batch"
+            in second.stdout)
     assert f"epoch 1 of 2 done, and {position} samples" in second.stdout  # the epoch goes on where it stopped
     after = load_model_state(out)
-    assert after["config"]["batch_size"] == 48 and after["config"]["world_size"] == 3 and after["world_size"] == 3
+    assert (after["config"]["batch_size"] == 48 and after["config"]["world_size"] == 3
+            and after["world_size"] == 3)
     assert after["config"]["lr"] == before["config"]["lr"]  # the same peak LR
     got, want = read_jsonl(out / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
     assert [m["epoch"] for m in got] == [m["epoch"] for m in want] == [1, 2]
@@ -110,7 +118,8 @@ def test_resume_with_another_batch_size_keeps_its_place_in_samples(tmp_path):
     """Stopped mid-epoch at batch 64, resumed at 32: the epoch still trains each of its 1280 samples
     once, and the cosine schedule still ends at 0 at the end of the last epoch."""
     out, stop_file = tmp_path / "run", tmp_path / "stop"
-    run = [*TINY_SYNTH, "--train-size", 1280, "--test-size", 20, "--epochs", 2, "--workers", 0, "--out-dir", out]
+    run = [*TINY_SYNTH, "--train-size", 1280, "--test-size", 20, "--epochs", 2, "--workers", 0,
+           "--out-dir", out]
     stop_file.touch()  # seen at the first check, after step 10 of 20
     first = launch([*run, "--batch-size", 64], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
     assert first.returncode != 0 and "after step 10" in first.stdout
@@ -118,7 +127,8 @@ def test_resume_with_another_batch_size_keeps_its_place_in_samples(tmp_path):
     stop_file.unlink()
     second = launch([*run, "--batch-size", 32], nproc=2)
     assert "note: the global batch changed from 64 to 32 on resume" in second.stdout
-    assert "epoch 1 of 2 done" not in second.stdout and "0 of 2 done, and 640 samples (20 steps)" in second.stdout
+    assert ("epoch 1 of 2 done" not in second.stdout
+            and "0 of 2 done, and 640 samples (20 steps)" in second.stdout)
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["train_samples"] for m in metrics] == [1280, 1280]
     peak = 0.01 * 32 / 512
@@ -136,7 +146,8 @@ def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(a
     del args[i:i + 2]  # not given again: the checkpoint's micro-batch is kept
     second = launch([*args, "--out-dir", out], nproc=1)
     assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in second.stdout
-    assert "note: 2 ranks x 2 accumulation steps x 16 before, 1 x 4 x 16 now: the same global batch" in second.stdout
+    assert ("note: 2 ranks x 2 accumulation steps x 16 before, 1 x 4 x 16 now: the same global batch"
+            in second.stdout)
     assert_close_models(load_model_state(accumulation_run(2)[0]), load_model_state(out))
 
 
@@ -153,7 +164,7 @@ def test_resume_with_another_precision(tmp_path, first, then):
     assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
 
 
-# --------------------------------------------------------------------------- what a resume may change, and may not
+# ---------------------------------------------------------------------- what a resume may change, and may not
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
@@ -200,6 +211,7 @@ def test_a_run_that_changes_only_what_may_change_resumes(finished, tmp_path):
     args = [a if a != out else copy for a in common]
     args[args.index("--batch-size") + 1] = 20
     proc = launch([*args, "--epochs", 2, "--base-lr", 0.02, "--workers", 1, "--log-every", 0], nproc=2)
-    assert "note: resumed with changes: --batch-size 40 -> 20, --epochs 1 -> 2, --base-lr 0.01 -> 0.02" in proc.stdout
+    assert ("note: resumed with changes: --batch-size 40 -> 20, --epochs 1 -> 2, --base-lr 0.01 -> 0.02"
+            in proc.stdout)
     assert "Resumed from" in proc.stdout and "Epoch 2/2" in proc.stdout and "Epoch 1/2" not in proc.stdout
     assert [m["epoch"] for m in read_jsonl(copy / "metrics.jsonl")] == [1, 2]

@@ -1,9 +1,9 @@
-"""The stop signals as they really come. Ctrl-C, as a terminal sends it: the ranks agree within 10 steps, rank 0
-checkpoints, exit 75, no traceback, and the same command resumes there; a second Ctrl-C quits at once (exit 130)
-without a checkpoint; under torchrun, which forwards it to ranks in sessions of their own, the same. SIGTERM or
-SIGUSR1 sent to every process of a run at once (launcher, ranks, loader workers), as Slurm, `timeout` and container
-runtimes do: the same stop, nothing of the workers printed, and the resumed run ends with the uninterrupted
-run's weights. (The job scripts under Slurm: test_slurm_jobs.py.)"""
+"""The stop signals as they really come. Ctrl-C, as a terminal sends it: the ranks agree within 10 steps, rank
+0 checkpoints, exit 75, no traceback, and the same command resumes there; a second Ctrl-C quits at once (exit
+130) without a checkpoint; under torchrun, which forwards it to ranks in sessions of their own, the same.
+SIGTERM or SIGUSR1 sent to every process of a run at once (launcher, ranks, loader workers), as Slurm,
+`timeout` and container runtimes do: the same stop, nothing of the workers printed, and the resumed run ends
+with the uninterrupted run's weights. (The job scripts under Slurm: test_slurm_jobs.py.)"""
 import os
 import re
 import signal
@@ -11,8 +11,8 @@ import signal
 import pytest
 import torch
 
-from support import (CKPT_RUN, TINY, assert_same_weights, every_process, launch, load_model_state, paused, start,
-                     text, wait_for)
+from support import (CKPT_RUN, TINY, assert_same_weights, every_process, launch, load_model_state, paused,
+                     start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -30,7 +30,8 @@ def test_ctrl_c_checkpoints_and_a_second_one_quits_at_once(tmp_path):
     step = load_model_state(tmp_path / "once")["progress"]["step"]
     assert step % 10 == 0 and step >= 20
     resumed = launch([*run, "--out-dir", tmp_path / "once"], torchrun=False)
-    assert f"({step} steps) of the next" in resumed.stdout and "Training completed successfully." in resumed.stdout
+    assert (f"({step} steps) of the next" in resumed.stdout
+            and "Training completed successfully." in resumed.stdout)
 
     slow = [a if a != 16 else 512 for a in run]  # steps of about a second, so the stop check is seconds away
     proc, log = start([*slow, "--out-dir", tmp_path / "twice"], torchrun=False)
@@ -61,7 +62,8 @@ def test_ctrl_c_under_torchrun_reaches_every_rank_and_they_stop_together_with_a_
     assert "SignalException" in output
     assert "train_ddp.py" not in "".join(ln for ln in output.splitlines() if ln.startswith("  File"))
     progress = load_model_state(out)["progress"]
-    assert progress["step"] > 0 and progress["step"] % 10 == 0 and progress["position"] == 16 * progress["step"]
+    assert (progress["step"] > 0 and progress["step"] % 10 == 0
+            and progress["position"] == 16 * progress["step"])
     assert progress["sums"][2] == progress["position"] < 4000  # both ranks' samples, mid-epoch
 
 
@@ -85,22 +87,24 @@ def spawned_workers(pids) -> int:
     return count
 
 
-# jobs/lib.sh's setting: torchrun (torch >= 2.9) forwards SIGUSR1 to the ranks as it does SIGTERM, instead of dying of it.
+# jobs/lib.sh's setting: torchrun (torch >= 2.9) forwards SIGUSR1 to the ranks as it does SIGTERM, instead of
+# dying of it.
 TORCHRUN_FORWARDS_USR1 = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
 
 
 @pytest.mark.parametrize("nproc, loader, workers, sig", [
     pytest.param(2, "torch", 1, signal.SIGTERM, id="torchrun-torch_loader-1_worker-TERM"),
     pytest.param(2, "gpu", 0, signal.SIGTERM, id="torchrun-gpu_loader-TERM"),
-    pytest.param(2, "torch", 2, signal.SIGUSR1, id="torchrun-torch_loader-2_workers-USR1", marks=pytest.mark.skipif(
-        tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 9), reason="torchrun forwards SIGUSR1 from 2.9")),
+    pytest.param(2, "torch", 2, signal.SIGUSR1, id="torchrun-torch_loader-2_workers-USR1",
+                 marks=pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 9),
+                                          reason="torchrun forwards SIGUSR1 from 2.9")),
     pytest.param(1, "torch", 2, signal.SIGTERM, id="python-torch_loader-2_workers-TERM"),
 ])
 def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterrupted_weights(
         nproc, loader, workers, sig, tmp_path, uninterrupted, request):
-    """The signal reaches the loader workers as well as the ranks (the bug: a worker killed by it took its rank
-    down with "DataLoader worker ... is killed by signal" before any checkpoint). `--loader gpu` (on the CPU
-    here) has no workers: the other loader, the same stop. Under torchrun the ranks get it twice (torchrun
+    """The signal reaches the loader workers as well as the ranks (the bug: a worker killed by it took its
+    rank down with "DataLoader worker ... is killed by signal" before any checkpoint). `--loader gpu` (on the
+    CPU here) has no workers: the other loader, the same stop. Under torchrun the ranks get it twice (torchrun
     forwards its own), which changes nothing."""
     reference = uninterrupted if nproc == 2 else request.getfixturevalue("uninterrupted_one_rank")
     out = tmp_path / "run"
@@ -117,7 +121,8 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     output = text(log)
     assert output.count(f"Stop requested ({sig.name}) in epoch 2 after step") == 1, output
     assert "DataLoader worker" not in output and "killed by signal" not in output, output
-    assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)  # no traceback of ours
+    # no traceback of ours
+    assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)
     progress = load_model_state(out)["progress"]
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2
     resumed = launch(run, nproc=nproc, torchrun=nproc > 1)

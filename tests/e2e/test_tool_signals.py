@@ -24,7 +24,8 @@ from support import children, descendants, processes
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 SMALL_BENCH = ["--device", "cpu", "--depth", 10, "--widen-factor", 1, "--batch-size", 32]
-EXIT_WITHIN_S = 5.0  # the scripts' own limit is 1.5 s after the signal; the rest is slack for a loaded machine
+# the scripts' own limit is 1.5 s after the signal; the rest is slack for a loaded machine
+EXIT_WITHIN_S = 5.0
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -35,8 +36,8 @@ class Launched:
     def __init__(self, cmd, folder, env=None):
         self.out_path, self.err_path = folder / "stdout.txt", folder / "stderr.txt"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([str(c) for c in cmd], cwd=folder, env={**ENV, **(env or {})}, stdout=out,
-                                         stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen([str(c) for c in cmd], cwd=folder, env={**ENV, **(env or {})},
+                                         stdout=out, stderr=err, start_new_session=True)
         self.pid = self.proc.pid
 
     def output(self) -> tuple:
@@ -143,7 +144,8 @@ def wait_for_no_members(p: Launched) -> list:
     deadline = time.monotonic() + 2.0
     while session_members(p.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [(pid, open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200]) for pid in session_members(p.pid)]
+    return [(pid, open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:200])
+            for pid in session_members(p.pid)]
 
 
 def test_bench_stops_at_once_on_sigterm_in_the_timed_steps(launched, tmp_path):
@@ -165,7 +167,8 @@ def test_bench_stops_on_ctrl_c_with_its_dataloader_workers(launched, tmp_path):
     None prints a traceback, and none is left behind."""
     p = launched([sys.executable, f"{ROOT}/bench.py", *SMALL_BENCH, "--steps", 40, "--warmup", 1,
                   "--compare-original", "--workers", 2, "--json", tmp_path / "b.json"], tmp_path)
-    p.wait_until(lambda: p.printed("timing the original script's pipeline"), "the original pipeline's line", 120)
+    p.wait_until(lambda: p.printed("timing the original script's pipeline"),
+                 "the original pipeline's line", 120)
     p.wait_until(lambda: len(session_members(p.pid)) >= 3, "two DataLoader workers")
     code, seconds = p.signal(signal.SIGINT, group=True)
     assert_stopped(p, code, seconds, signal.SIGINT, "bench.py: stopped by SIGINT")
@@ -185,11 +188,13 @@ def test_bench_under_torchrun_every_rank_stops_on_sigterm(launched, tmp_path):
         found = glob.glob(f"{logs}/*/attempt_0/{rank}/{name}.log")
         return found[0] if found else None
 
-    p.wait_until(lambda: rank_file(0, "stdout") and p.printed("timing the recipe's step", rank_file(0, "stdout")),
+    p.wait_until(lambda: (rank_file(0, "stdout")
+                          and p.printed("timing the recipe's step", rank_file(0, "stdout"))),
                  "rank 0's timing line", 90)
     ranks = children(p.pid)
     assert len(ranks) == 2 and all(catches(r, signal.SIGTERM) for r in ranks)
-    p.wait_until(lambda: p.printed("the timed steps begin", rank_file(0, "stdout")), "rank 0's timed steps", 90)
+    p.wait_until(lambda: p.printed("the timed steps begin", rank_file(0, "stdout")),
+                 "rank 0's timed steps", 90)
     code, seconds = p.signal(signal.SIGTERM)
     assert code not in (None, 0) and seconds < EXIT_WITHIN_S, (code, seconds, p.output())
     assert not any(alive(r) for r in ranks)
@@ -197,17 +202,18 @@ def test_bench_under_torchrun_every_rank_stops_on_sigterm(launched, tmp_path):
         with open(rank_file(rank, "stderr")) as f:
             err = f.read()
         assert "Traceback" not in err, err
-        assert re.findall(r"^bench\.py: .*stopped by .*$", err, re.M) == [f"bench.py: rank {rank}: stopped by SIGTERM"]
+        assert (re.findall(r"^bench\.py: .*stopped by .*$", err, re.M)
+                == [f"bench.py: rank {rank}: stopped by SIGTERM"])
 
 
 def test_preflight_stops_on_sigterm_while_a_c_call_waits_for_a_rank_that_never_comes(launched, tmp_path):
     """Rank 0 of two, alone: it waits in the rendezvous (C++, where no Python signal handler runs) for rank 1.
     The script's backstop thread, woken by the signal itself, ends it all the same."""
     port = free_port()
-    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)}
-    p = launched([sys.executable, f"{ROOT}/preflight.py", "--dataset", "synthetic", "--out-dir", tmp_path / "out",
-                  "--device", "cpu", "--timeout", 120], tmp_path, env=ranks)
+    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    p = launched([sys.executable, f"{ROOT}/preflight.py", "--dataset", "synthetic",
+                  "--out-dir", tmp_path / "out", "--device", "cpu", "--timeout", 120], tmp_path, env=ranks)
     # The store listens from inside init_process_group, which then waits in C++ for rank 1: the event itself.
     p.wait_until(lambda: listening(port), f"the rendezvous store on port {port}")
     code, seconds = p.signal(signal.SIGTERM)
@@ -247,4 +253,5 @@ def test_plot_stops_on_sigterm_while_it_plots(launched, tmp_path):
     assert catches(p.pid, signal.SIGTERM)
     code, seconds = p.signal(signal.SIGTERM)
     assert_stopped(p, code, seconds, signal.SIGTERM, "plot.py: stopped by SIGTERM")
-    assert not os.path.exists(tmp_path / "plots" / "throughput.png")  # the last of the three: it had not got there
+    # the last of the three: it had not got there
+    assert not os.path.exists(tmp_path / "plots" / "throughput.png")

@@ -15,10 +15,12 @@ def test_benchmark_runs_and_scaling_plot(tmp_path):
     for n in (1, 2):
         path = tmp_path / f"bench-{n}.json"
         ddp_options = ["--static-graph", "--bucket-cap-mb", 1] if n == 2 else []
-        proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4, "--warmup", 2,
-                       "--device", "cpu", "--json", path, *ddp_options], nproc=n, script="bench.py")
+        proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4,
+                       "--warmup", 2, "--device", "cpu", "--json", path, *ddp_options],
+                      nproc=n, script="bench.py")
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
-        assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, exposed comm "
+        assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, "
+                         r"exposed comm "
                          + (r"[\d.]+ ms$" if n == 2 else r"n/a$"), proc.stdout, re.M)
         assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
         results.append(read_json(path))
@@ -43,12 +45,14 @@ def test_benchmark_cpu_checks_alone_runs_the_small_config_and_reports_both_check
     augmentation comparison and the loop-overhead check, in the log and in the JSON."""
     path = tmp_path / "cpu.json"
     proc = launch(["--cpu-checks", "--rounds", 2, "--json", path], torchrun=False, script="bench.py")
-    assert re.search(r"^augmentation, 1 core: PIL per sample \d+ img/s, batched tensor ops \d+ img/s: [\d.]+x$",
+    assert re.search(r"^augmentation, 1 core: PIL per sample \d+ img/s, batched tensor ops \d+ img/s: "
+                     r"[\d.]+x$",
                      proc.stdout, re.M)
-    assert re.search(r"^loop overhead \(WRN-10-1, batch 64\): [\d.]+ ms/step vs bare [\d.]+ ms/step: -?[\d.]+%; "
-                     r"the data path alone [\d.]+ ms/step", proc.stdout, re.M)
+    assert re.search(r"^loop overhead \(WRN-10-1, batch 64\): [\d.]+ ms/step vs bare [\d.]+ ms/step: "
+                     r"-?[\d.]+%; the data path alone [\d.]+ ms/step", proc.stdout, re.M)
     result = read_json(path)
-    assert (result["config"]["depth"], result["config"]["widen_factor"], result["config"]["batch_size"]) == (10, 1, 64)
+    assert (result["config"]["depth"], result["config"]["widen_factor"],
+            result["config"]["batch_size"]) == (10, 1, 64)
     checks = result["cpu_checks"]
     assert checks["augmentation"]["speedup"] > 0 and 0 < checks["loop_overhead"]["data_path_s"]
     assert checks["loop_overhead"]["model"] == "WRN-10-1" and checks["loop_overhead"]["batch"] == 64
@@ -58,16 +62,16 @@ def test_benchmark_cpu_checks_alone_runs_the_small_config_and_reports_both_check
 def test_bench_writes_its_json_to_runs_bench_by_default_which_git_ignores(tmp_path):
     """Without --json, bench.py writes runs/bench/bench-<device>-<world size>x.json under the directory
     it runs in; in the project directory, git ignores that."""
-    proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 16, "--steps", 2, "--warmup", 1, "--device", "cpu"],
-                  torchrun=False, script="bench.py", cwd=tmp_path)
+    proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 16, "--steps", 2, "--warmup", 1,
+                   "--device", "cpu"], torchrun=False, script="bench.py", cwd=tmp_path)
     written = os.listdir(tmp_path / "runs" / "bench")
     assert len(written) == 1 and re.fullmatch(r"bench-\w+-1x\.json", written[0]), written
     result = read_json(tmp_path / "runs" / "bench" / written[0])
     assert result["world_size"] == 1 and result["config"]["batch_size"] == 16
     assert f"wrote {os.path.join('runs', 'bench', written[0])}" in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["runs"], proc.stdout  # nothing else, anywhere else here
-    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", f"runs/bench/{written[0]}"], capture_output=True,
-                             text=True)
+    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", f"runs/bench/{written[0]}"],
+                             capture_output=True, text=True)
     if ignored.returncode != 128:  # 128: not a git checkout
         assert ignored.stdout.split() == [f"runs/bench/{written[0]}"]
 
@@ -79,7 +83,8 @@ def test_preflight_passes_and_reports_every_rank(tmp_path):
     assert "backend gloo; torch" in out and "world size 2" in out
     rows = re.findall(r"^ +(\d) +(\d) +\S+ +cpu .* ok$", out, re.M)
     assert rows == [("0", "0"), ("1", "1")]
-    assert re.search(r"^all_reduce bus bandwidth: 1 MiB [\d.]+ GB/s, 4 MiB [\d.]+ GB/s, 16 MiB [\d.]+ GB/s$", out, re.M)
+    assert re.search(r"^all_reduce bus bandwidth: 1 MiB [\d.]+ GB/s, 4 MiB [\d.]+ GB/s, 16 MiB [\d.]+ GB/s$",
+                     out, re.M)
     assert out.strip().endswith("preflight: all checks passed")
 
 

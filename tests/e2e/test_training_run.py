@@ -22,26 +22,29 @@ def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir,
         assert len(re.findall(rf"^Epoch {epoch}/4 completed in \d+\.\d{{3}} seconds$", log, re.M)) == 1
     assert len(re.findall(r"^Validation Loss: \d+\.\d{4}, Validation Accuracy: 0\.\d{4}$", log, re.M)) == 4
     assert len(re.findall(r"^Epoch Throughput: \d+\.\d{3} images/second$", log, re.M)) == 4
-    assert f"Training started with {world_size} processes across 1 nodes.\nUsing {world_size} CPU processes per node.\n" in log
+    assert (f"Training started with {world_size} processes across 1 nodes.\n"
+            f"Using {world_size} CPU processes per node.\n" in log)
     assert "\nTraining Summary:\n" in log and log.count("Training completed successfully.") == 1
     # The original script's summary lines, with the unit said as it is on CPU (GPUs on CUDA).
     summary_lines = log.split("\nTraining Summary:\n", 1)[1].splitlines()
     assert re.fullmatch(r"Total training time: \d+\.\d{3} seconds", summary_lines[0])
     assert re.fullmatch(r"Throughput: \d+\.\d{3} images/second", summary_lines[1])
     assert summary_lines[2:6] == ["Number of nodes: 1", f"Number of CPU processes per node: {world_size}",
-                                  f"Total CPU processes used: {world_size}", "Training completed successfully."]
+                                  f"Total CPU processes used: {world_size}",
+                                  "Training completed successfully."]
     assert "GPUs" not in log
     assert f"Global batch 64 = {world_size} ranks x {64 // world_size}" in log
     # After each epoch but the last, the whole run's ETA, once (not once per rank).
-    assert re.findall(r"^Run: (\d) of 4 epochs done; about \d+ (?:s|min|h \d+ min) left \(ends about \d\d:\d\d\) "
-                      r"at this session's pace$", log, re.M) == ["1", "2", "3"]
+    assert re.findall(r"^Run: (\d) of 4 epochs done; about \d+ (?:s|min|h \d+ min) left \(ends about "
+                      r"\d\d:\d\d\) at this session's pace$", log, re.M) == ["1", "2", "3"]
 
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["epoch"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["val_count"] == 500 for m in metrics)
     assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
     summary = read_json(out / "summary.json")
-    assert summary["world_size"] == world_size and summary["nodes"] == 1 and summary["processes_per_node"] == world_size
+    assert (summary["world_size"] == world_size and summary["nodes"] == 1
+            and summary["processes_per_node"] == world_size)
     assert summary["epochs_completed"] == 4 and summary["stopped_early"] is False
     assert summary["final_val_acc"] == metrics[-1]["val_acc"] >= 0.5, "chance is 0.01"
     assert summary["best_val_acc"] == max(m["val_acc"] for m in metrics)
@@ -52,7 +55,8 @@ def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
     """The README's first run on a laptop, the cpu-try preset: its synthetic classes can be learned, so it
     ends far above chance (1%), at 50% top-1 or more; config.json records the preset and every value."""
     with open(os.path.join(ROOT, "README.md")) as f:
-        command = next(line for line in f if line.startswith(".venv/bin/python train_ddp.py --recipe cpu-try"))
+        command = next(line for line in f
+                       if line.startswith(".venv/bin/python train_ddp.py --recipe cpu-try"))
     args = command.split("#")[0].split()[2:]
     assert args == ["--recipe", "cpu-try"], command  # the first command stays short
     out = tmp_path / "cpu-try"
@@ -60,28 +64,32 @@ def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
     accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] >= 0.5 and accuracies[0] < accuracies[-1], proc.stdout
     config = read_json(out / "config.json")
-    assert config["recipe"] == "cpu-try" and (config["depth"], config["widen_factor"], config["epochs"]) == (10, 2, 3)
+    assert (config["recipe"] == "cpu-try"
+            and (config["depth"], config["widen_factor"], config["epochs"]) == (10, 2, 3))
     assert config["out_dir"] == str(out) and config["lr"] == 0.1 and config["eval_batch"] == 128
 
 
 def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     out = tmp_path / "run"
     proc = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
-                   "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY], nproc=2)
+                   "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY],
+                  nproc=2)
     assert proc.stdout.count("Target accuracy reached. Early stopping after epoch 2.") == 1
     summary = read_json(out / "summary.json")
-    assert summary["stopped_early"] is True and summary["epochs_completed"] == 2 and summary["finished"] is True
+    assert (summary["stopped_early"] is True and summary["epochs_completed"] == 2
+            and summary["finished"] is True)
     # Resuming a finished run trains nothing more.
     again = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
-                    "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY], nproc=2)
+                    "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY],
+                   nproc=2)
     assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
 
 
 def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     out = tmp_path / "run"
     # 200 images in batches of 64: a smaller last batch, in training and in evaluation.
-    common = ["--dataset", "synthetic", "--train-size", 200, "--test-size", 50, "--batch-size", 64, "--epochs", 1,
-              "--out-dir", out, *TINY]
+    common = ["--dataset", "synthetic", "--train-size", 200, "--test-size", 50, "--batch-size", 64,
+              "--epochs", 1, "--out-dir", out, *TINY]
     trained = launch([*common, "--compile"], nproc=2)
     assert "Training completed successfully." in trained.stdout
     state = load_model_state(out)["model"]
@@ -99,8 +107,8 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     Rerun with the same command, the finished run says so and exits 0 (a requeue); with another batch, or
     --epochs at or below what it did, it is refused in one line naming the ways on; --epochs 3 trains on."""
     out = tmp_path / "run"
-    run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32, "--epochs", 2,
-           "--out-dir", out, "--log-every", 0, *TINY]
+    run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
+           "--epochs", 2, "--out-dir", out, "--log-every", 0, *TINY]
     first = launch(run, torchrun=False)
     summary, config = read_json(out / "summary.json"), read_json(out / "config.json")
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -110,28 +118,33 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
         f"{summary['best_val_acc']:.4f} (epoch {best['epoch']}); checkpoint {out}/checkpoint.pt")
     assert "Training completed successfully.\nResult: " in first.stdout  # after the original script's lines
     assert config["amp_dtype"] is None and config["micro_batch"] is None
-    assert summary["cpu_processes_per_node"] == summary["processes_per_node"] == 1 and summary["gpus_per_node"] == 0
-    shown = json.loads(re.search(r"^Config: (\{.*\}) \(the rest: the defaults; all of it in ", first.stdout, re.M)[1])
+    assert (summary["cpu_processes_per_node"] == summary["processes_per_node"] == 1
+            and summary["gpus_per_node"] == 0)
+    shown = json.loads(re.search(r"^Config: (\{.*\}) \(the rest: the defaults; all of it in ",
+                                 first.stdout, re.M)[1])
     assert shown == {"batch_size": 32, "epochs": 2, "depth": 10, "widen_factor": 1, "dataset": "synthetic",
                      "train_size": 128, "test_size": 50, "workers": 0, "out_dir": str(out), "timeout": 120,
                      "log_every": 0}
 
     before = (out / "checkpoint.pt").stat().st_mtime_ns
     again = launch(run, torchrun=False)
-    assert again.stdout.strip() == (f"{out}/checkpoint.pt holds a run trained for 2 epochs; final validation accuracy "
-                                    f"{summary['final_val_acc']:.4f}, best {summary['best_val_acc']:.4f}: nothing to "
-                                    f"train; --epochs N (more than 2) trains it on, or another --out-dir starts afresh.")
-    assert (out / "checkpoint.pt").stat().st_mtime_ns == before and read_jsonl(out / "metrics.jsonl") == metrics
+    assert again.stdout.strip() == (f"{out}/checkpoint.pt holds a run trained for 2 epochs; final validation "
+                                    f"accuracy {summary['final_val_acc']:.4f}, best "
+                                    f"{summary['best_val_acc']:.4f}: nothing to train; --epochs N "
+                                    f"(more than 2) trains it on, or another --out-dir starts afresh.")
+    assert ((out / "checkpoint.pt").stat().st_mtime_ns == before
+            and read_jsonl(out / "metrics.jsonl") == metrics)
 
     for changed, says in ((["--epochs", 1], "error: --epochs 1 leaves nothing to train: "),
-                          (["--batch-size", 64], "this command changes it (resumed with changes: --batch-size 32 -> 64)"
-                                                 " but trains nothing")):
+                          (["--batch-size", 64], "this command changes it (resumed with changes: "
+                                                 "--batch-size 32 -> 64) but trains nothing")):
         refused = launch([*run, *changed], torchrun=False, check=False)
         errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
         assert refused.returncode == 2 and len(errors) == 1 and says in errors[0], refused.stderr
         assert f"{out}/checkpoint.pt holds a run trained for 2 epochs" in errors[0]
         assert "--epochs N (more than 2) trains it on, or another --out-dir starts afresh" in errors[0]
-        assert "Training started" not in refused.stdout and (out / "checkpoint.pt").stat().st_mtime_ns == before
+        assert ("Training started" not in refused.stdout
+                and (out / "checkpoint.pt").stat().st_mtime_ns == before)
 
     # A run that died after its last checkpoint, before its summary (a full disk, a lost node): the same
     # command trains nothing and writes the records it lacked.
@@ -139,10 +152,13 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     repaired = launch(run, torchrun=False)
     assert "Epoch " not in repaired.stdout and "Training completed successfully." in repaired.stdout
     assert read_json(out / "summary.json")["final_val_acc"] == summary["final_val_acc"]
-    assert (out / "checkpoint.pt").stat().st_mtime_ns == before and read_jsonl(out / "metrics.jsonl") == metrics
+    assert ((out / "checkpoint.pt").stat().st_mtime_ns == before
+            and read_jsonl(out / "metrics.jsonl") == metrics)
     more = launch([*run, "--epochs", 3], torchrun=False)
-    assert "Epoch 3/3 completed" in more.stdout and [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
-    # The Config line shows what was given: the per-rank cap the resume keeps from the checkpoint is said apart.
-    config_line = re.search(r"^Config: (\{.*\}) \(the rest: the defaults, and the checkpoint's --micro-batch 32; all "
-                            r"of it in ", more.stdout, re.M)
+    assert ("Epoch 3/3 completed" in more.stdout
+            and [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3])
+    # The Config line shows what was given: the per-rank cap the resume keeps from the checkpoint is said
+    # apart.
+    config_line = re.search(r"^Config: (\{.*\}) \(the rest: the defaults, and the checkpoint's "
+                            r"--micro-batch 32; all of it in ", more.stdout, re.M)
     assert config_line and json.loads(config_line[1]) == {**shown, "epochs": 3}, more.stdout

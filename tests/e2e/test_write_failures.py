@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launcher_and_ranks, load_model_state, paused, read_jsonl, start,
-                     text, wait_for)
+from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launcher_and_ranks,
+                     load_model_state, paused, read_jsonl, start, text, wait_for)
 
 # 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
 RUN = ["--dataset", "synthetic", "--train-size", 1600, "--test-size", 64, "--batch-size", 32, "--epochs", 3,
@@ -28,7 +28,8 @@ def reference(tmp_path_factory):
         out = tmp_path_factory.mktemp("reference") / "run"
         launch([*RUN, "--out-dir", out], nproc=nproc, torchrun=launcher == "torchrun")
         runs[launcher] = read_jsonl(out / "metrics.jsonl")
-        growth = os.path.getsize(out / "checkpoint.1.pt") - os.path.getsize(out / "checkpoint.2.pt")  # epochs 2, 1
+        # epochs 2, 1
+        growth = os.path.getsize(out / "checkpoint.1.pt") - os.path.getsize(out / "checkpoint.2.pt")
     return runs, growth
 
 
@@ -40,7 +41,8 @@ def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
     """Start the run, fill the disk once `when(out)` holds, and wait for the run to end; returns
     (exit status, output, seconds from the error line to the exit, the filler file)."""
     out = args[args.index("--out-dir") + 1]
-    proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")  # off the small disk
+    # off the small disk
+    proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")
     wait_for(lambda: when(out) or proc.poll() is not None, timeout=180, what="the moment to fill the disk")
     assert proc.poll() is None, text(log)
     filler = fill(mount_point, leave)
@@ -56,7 +58,8 @@ def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
 
 
 def assert_nothing_half_written(out):
-    left = [name for name in os.listdir(out) if name.endswith(".tmp") or name.startswith(".") or name == "run.lock"]
+    left = [name for name in os.listdir(out)
+            if name.endswith(".tmp") or name.startswith(".") or name == "run.lock"]
     assert not left, left  # no temporary files, and the lock released
     for line in open(out / "metrics.jsonl"):
         json.loads(line)  # every row whole: the next run reads them all
@@ -67,17 +70,20 @@ def metrics_rows(out):
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "python"])
-def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_resumes(small_fs, reference, launcher):
+def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_resumes(small_fs, reference,
+                                                                                      launcher):
     out = small_fs / "run"
     args = [*RUN, "--out-dir", out]
     nproc = 2 if launcher == "torchrun" else 1
     # Filled while epoch 2 trains (epoch 1 recorded): its checkpoint, about 700 KB, cannot be written.
-    status, output, exit_s, filler = run_until_write_fails(args, nproc, launcher == "torchrun",
-                                                           lambda o: metrics_rows(o) == 1, 64 * 1024, small_fs)
+    status, output, exit_s, filler = run_until_write_fails(
+        args, nproc, launcher == "torchrun", lambda o: metrics_rows(o) == 1, 64 * 1024, small_fs)
     print(f"epoch-end checkpoint, {launcher}: the last rank out {exit_s:.1f} s after the error line")
-    assert status == (1 if launcher == "torchrun" else 74) and exit_s < 10, (status, exit_s)  # torchrun: its own 1
+    # torchrun: its own 1
+    assert status == (1 if launcher == "torchrun" else 74) and exit_s < 10, (status, exit_s)
     assert_one_line(output, f"error: no space left on device writing the checkpoint after epoch 2 in {out}; ",
-                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: free space in {out}",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: free space "
+                    f"in {out}",
                     "then run the same command to resume")
     assert load_model_state(out)["progress"]["epoch"] == 1
     assert_nothing_half_written(out)
@@ -91,22 +97,26 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
 def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     out, reference = small_fs / "run", small_fs.parent / "reference"
     # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first.
-    run = [*RUN, "--train-size", 3200, "--batch-size", 64, "--widen-factor", 2, "--checkpoint-every", 10, "--epochs", 1]
+    run = [*RUN, "--train-size", 3200, "--batch-size", 64, "--widen-factor", 2,
+           "--checkpoint-every", 10, "--epochs", 1]
     launch([*run, "--out-dir", reference], torchrun=False)
     args = [*run, "--out-dir", out]
-    status, output, exit_s, filler = run_until_write_fails(args, 1, False, lambda o: (o / "checkpoint.pt").exists(),
-                                                           64 * 1024, small_fs)
+    status, output, exit_s, filler = run_until_write_fails(
+        args, 1, False, lambda o: (o / "checkpoint.pt").exists(), 64 * 1024, small_fs)
     print(f"mid-epoch checkpoint, python: out {exit_s:.1f} s after the error line")
     assert status == 74 and exit_s < 10, (status, exit_s)
-    line = assert_one_line(output, "error: no space left on device writing the checkpoint at step 20 of epoch 1 in ",
-                           f"the last good checkpoint, {out}/checkpoint.pt (at step 10 of epoch 1), is intact")
+    line = assert_one_line(output,
+                           "error: no space left on device writing the checkpoint at step 20 of epoch 1 in ",
+                           f"the last good checkpoint, {out}/checkpoint.pt (at step 10 of epoch 1), "
+                           f"is intact")
     progress = load_model_state(out)["progress"]
     assert (progress["epoch"], progress["step"]) == (0, 10), line
     assert_nothing_half_written(out)
     filler.unlink()
     resumed = launch(args, torchrun=False)
     assert "and 640 samples (10 steps) of the next." in resumed.stdout
-    assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(read_jsonl(reference / "metrics.jsonl"))
+    assert (without_timing(read_jsonl(out / "metrics.jsonl"))
+            == without_timing(read_jsonl(reference / "metrics.jsonl")))
 
 
 def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(small_fs, reference):
@@ -115,13 +125,15 @@ def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(s
     proc, log = start(args, nproc=2, log=small_fs.parent / "run.log")
     wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 2")
     # Leave exactly the pages epoch 2's checkpoint will take (epoch 1's, and the one more row of history
-    # it holds), and not one for the metrics row written after it; --keep-checkpoints 3: no rotation frees any.
+    # it holds), and not one for the metrics row written after it; --keep-checkpoints 3: no rotation frees
+    # any.
     pages = -(-(os.path.getsize(out / "checkpoint.pt") + reference[1]) // 4096)
     with paused(launcher_and_ranks(proc)):  # the disk fills during epoch 2, however fast the machine is
         filler = fill(small_fs, pages * 4096)
     filled = time.time()
     assert proc.wait(timeout=120) != 0
-    print(f"metrics write: every rank out {time.time() - filled:.1f} s after the disk filled (the rest of epoch 2 included)")
+    print(f"metrics write: every rank out {time.time() - filled:.1f} s after the disk filled (the rest of "
+          f"epoch 2 included)")
     output = text(log)
     assert_one_line(output, f"error: no space left on device writing epoch 2's metrics in {out}; ",
                     f"the last good checkpoint, {out}/checkpoint.pt (after epoch 2), is intact")
@@ -135,7 +147,8 @@ def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(s
 
 def test_full_disk_under_elastic_restarts_says_the_same_line_quickly_on_every_attempt(small_fs):
     out = small_fs / "run"
-    proc, log = start([*RUN, "--out-dir", out], nproc=2, extra=["--max-restarts=2"], log=small_fs.parent / "run.log")
+    proc, log = start([*RUN, "--out-dir", out], nproc=2, extra=["--max-restarts=2"],
+                      log=small_fs.parent / "run.log")
     wait_for(lambda: metrics_rows(out) == 1 or proc.poll() is not None, timeout=180, what="epoch 1's end")
     with paused(launcher_and_ranks(proc)):  # the disk fills during epoch 2, however fast the machine is
         fill(small_fs, 64 * 1024)
@@ -171,8 +184,10 @@ def test_a_filesystem_turned_read_only_mid_run_is_named_and_the_checkpoint_kept(
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)  # as a failing Lustre OST does
     turned = time.time()
     assert proc.wait(timeout=120) != 0
-    print(f"read-only: every rank out {time.time() - turned:.1f} s after the remount (the rest of epoch 2 included)")
-    assert_one_line(text(log), f"error: read-only file system writing the checkpoint after epoch 2 in {out}; ",
-                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: {out} is on a "
-                    f"read-only filesystem: use another --out-dir")
+    print(f"read-only: every rank out {time.time() - turned:.1f} s after the remount (the rest of epoch 2 "
+          f"included)")
+    assert_one_line(text(log),
+                    f"error: read-only file system writing the checkpoint after epoch 2 in {out}; ",
+                    f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact: {out} is on "
+                    f"a read-only filesystem: use another --out-dir")
     assert load_model_state(out)["progress"]["epoch"] == 1

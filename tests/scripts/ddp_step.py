@@ -9,10 +9,12 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 import torch  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
+import support  # noqa: E402
 import train_ddp  # noqa: E402
 import train_utils  # noqa: E402
 from machinery.launch import init_distributed  # noqa: E402
@@ -23,10 +25,10 @@ def step_and_save():
     args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
     env = init_distributed("cpu", timeout_s=60)
     data = du.load_split("synthetic", "", True, size=batch)
-    loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
-                                 eval_batch=batch, seed=0, workers=0, pin_memory=False)
+    loader, _ = support.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size,
+                                      accum_steps=1, eval_batch=batch, seed=0, workers=0, pin_memory=False)
     torch.manual_seed(0)
-    model = train_ddp.build_model(args, du.measure_data(data, data))
+    model = train_ddp.build_model(args, train_utils.measure_data(data, data))
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.eval()  # train_step leaves the mode to its caller
@@ -42,9 +44,9 @@ def step_and_save():
     step_samples, micro_sizes = loader.batch_sampler.step_split(0)
     assert micro_sizes == [len(labels)]
     training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
-    train_ddp.train_step(model, images, labels, training=training, cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
-                         micro_sizes=micro_sizes, step_samples=step_samples,
-                         step_log=train_utils.StepLog(0, normalize.scale.device))
+    run = SimpleNamespace(cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
+                          step_log=train_utils.StepLog(0, normalize.scale.device))
+    train_ddp.train_step(model, images, labels, split=(step_samples, micro_sizes), training=training, run=run)
     if env.is_main:
         torch.save(getattr(model, "module", model).state_dict(), out)
 

@@ -10,9 +10,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 import torch  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
+import support  # noqa: E402
 from machinery.errors import all_gather  # noqa: E402
 from machinery.launch import init_distributed  # noqa: E402
 from torchvision.datasets import ImageFolder  # noqa: E402
@@ -30,10 +32,11 @@ def main():
     image_folder = sys.argv[6:] == ["imagefolder"]
     env = init_distributed("cpu", timeout_s=60)
     if image_folder:
-        train = IndexedFolder(os.path.join(data_dir, "train"), transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
+        train = IndexedFolder(os.path.join(data_dir, "train"),
+                              transform=v2.Compose([v2.Grayscale(), v2.PILToTensor()]))
     else:
         train = du.load_split("cifar100", data_dir, True)
-    loader, _ = du.build_loaders(train, train, batch_size=per_rank_batch * env.world_size, rank=env.rank,
+    loader, _ = support.build_loaders(train, train, batch_size=per_rank_batch * env.world_size, rank=env.rank,
                                  world_size=env.world_size, accum_steps=1, eval_batch=per_rank_batch, seed=0,
                                  workers=workers, pin_memory=False)
     record = {}

@@ -12,11 +12,13 @@ import sys
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
+import support  # noqa: E402
 import train_ddp  # noqa: E402
 import train_utils  # noqa: E402
 from machinery.launch import read_dist_env  # noqa: E402
@@ -35,10 +37,11 @@ def step_and_save():
     if env.world_size > 1:
         dist.init_process_group("gloo" if shared_gpu else "nccl")
     data = du.load_split("synthetic", "", True, size=batch)
-    loader, _ = du.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size, accum_steps=1,
-                                 eval_batch=batch, seed=0, workers=0, pin_memory=False, device=device)
+    loader, _ = support.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size,
+                                      accum_steps=1, eval_batch=batch, seed=0, workers=0, pin_memory=False,
+                                      device=device)
     torch.manual_seed(0)
-    model = train_ddp.build_model(args, du.measure_data(data, data))
+    model = train_ddp.build_model(args, train_utils.measure_data(data, data))
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device).train()
@@ -52,9 +55,9 @@ def step_and_save():
         assert len(labels) == batch // env.world_size, "one step of one global batch"
         sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
         training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
-        train_ddp.train_step(model, images, labels, training=training,
-                             cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None), micro_sizes=[len(labels)],
-                             step_samples=batch, step_log=train_utils.StepLog(0, normalize.scale.device))
+        run = SimpleNamespace(cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
+                              step_log=train_utils.StepLog(0, normalize.scale.device))
+        train_ddp.train_step(model, images, labels, split=(batch, [len(labels)]), training=training, run=run)
         break
     if env.is_main:
         torch.save({k: v.cpu() for k, v in getattr(model, "module", model).state_dict().items()}, out)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dataset_utils as du
+import transforms
 
 
 def test_augmentation_reaches_all_81_crops_and_2_flips_uniformly():
@@ -48,8 +49,8 @@ def test_hash_is_the_same_on_ints_and_tensors():
     ints = [du.mix64(s, e, i) for s, e, i in keys]
     tensors = [du.mix64(s, e, torch.tensor([i]))[0].item() for s, e, i in keys]
     assert [h - (1 << 64) if h >> 63 else h for h in ints] == tensors
-    assert [du.crop_params(h, (4, 4)) for h in ints] == [tuple(int(v) for v in du.crop_params(torch.tensor([t]), (4, 4)))
-                                                  for t in tensors]
+    assert [transforms.crop_params(h, (4, 4)) for h in ints] == [
+        tuple(int(v) for v in transforms.crop_params(torch.tensor([t]), (4, 4))) for t in tensors]
 
 
 def test_batched_device_augmentation_reaches_all_162_views_uniformly():
@@ -64,7 +65,8 @@ def test_batched_device_augmentation_reaches_all_162_views_uniformly():
             views[crop.flip(-1).numpy().tobytes()] = (dy, dx, 1)
     n = 162 * 100
     idx = torch.zeros(n, dtype=torch.int64)
-    out = du.crop_flip_batch(padded, idx, du.mix64(7, 3, torch.arange(n)), (4, 4))  # n different keys, one image
+    # n different keys, one image
+    out = du.crop_flip_batch(padded, idx, du.mix64(7, 3, torch.arange(n)), (4, 4))
     counts = collections.Counter(views[x.numpy().tobytes()] for x in out)
     assert len(counts) == 162
     assert sum((c - 100) ** 2 / 100 for c in counts.values()) < 230
@@ -90,7 +92,8 @@ def test_augmentation_scales_with_the_image_and_both_paths_cut_the_same_pixels(s
     data = du.ImageData(img.expand(n, c, h, w).clone(), torch.zeros(n, dtype=torch.int64))
     dataset = du.ImageDataset(data, augment=True, seed=3)
     one_by_one = torch.stack([dataset[(5, i)][0] for i in range(n)])
-    batched = du.crop_flip_batch(du.pad_images(data.images, pad), torch.arange(n), du.mix64(3, 5, torch.arange(n)), pad)
+    batched = du.crop_flip_batch(du.pad_images(data.images, pad), torch.arange(n),
+                                 du.mix64(3, 5, torch.arange(n)), pad)
     assert one_by_one.shape == batched.shape == (n, c, h, w) and torch.equal(one_by_one, batched)
     counts = collections.Counter(views[x.numpy().tobytes()] for x in batched)
     assert len(counts) == len(views) and min(counts.values()) >= 10  # all reached, none starved (mean 30)

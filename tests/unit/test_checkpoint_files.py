@@ -17,18 +17,21 @@ import pytest
 import torch
 
 import dataset_utils as du
+from machinery import data_checks
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, Found, check_format, load_checkpoint,
-                                   load_latest_checkpoint, save_checkpoint, state_bytes)
+from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, Found, check_format,
+                                   load_checkpoint, load_latest_checkpoint, save_checkpoint, state_bytes)
 from machinery.errors import UserError
-from train_utils import Checkpoint, DistEnv, Progress, make_config
+from config import make_config
+from train_utils import Checkpoint, DistEnv, Progress
 
 
-@pytest.mark.parametrize("moment, survivor", [("mid-write", "checkpoint.pt"), ("before-rename", "checkpoint.1.pt")])
+@pytest.mark.parametrize("moment, survivor",
+                         [("mid-write", "checkpoint.pt"), ("before-rename", "checkpoint.1.pt")])
 def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, moment, survivor):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPTS, "kill_during_save.py"), str(tmp_path), moment],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, SCRIPTS, "kill_during_save.py"), str(tmp_path),
+                           moment], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the killed write left its partial file"
     ckpt, path = load_latest_checkpoint(str(tmp_path), torch.device("cpu"), keep=2)
@@ -50,19 +53,21 @@ def test_checkpoint_holding_pickled_code_is_refused(tmp_path):
 
 def build_run(out_dir, flags=()):
     """A tiny run's config, data and training, as train() makes them, on one CPU process."""
-    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--batch-size", "32",
-                                                   "--dataset", "synthetic", "--out-dir", str(out_dir), *flags])
+    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1",
+                                                   "--batch-size", "32", "--dataset", "synthetic",
+                                                   "--out-dir", str(out_dir), *flags])
     env = DistEnv()
     cfg = make_config(args, env)
     split = du.load_split("synthetic", "", True, size=64)
-    data = du.CheckedData(split, split, du.measure_data(split, split), {"train": du.fingerprint(split),
-                                                                         "test": du.fingerprint(split)}, None)
+    data = data_checks.CheckedData(split, split, data_checks.measure_data(split, split),
+                                   {"train": data_checks.fingerprint(split),
+                                    "test": data_checks.fingerprint(split)}, None)
     return cfg, env, data, train_ddp.build_training(cfg, env, data)
 
 
 def registry(cfg, env, data, training):
-    return Checkpoint(cfg, env, data, model_config=train_ddp.model_config(cfg, data.spec), model=training.model,
-                      optimizer=training.optimizer, scaler=training.scaler)
+    return Checkpoint(cfg, env, data, model_config=train_ddp.model_config(cfg, data.spec),
+                      model=training.model, optimizer=training.optimizer, scaler=training.scaler)
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +92,15 @@ def test_optional_state_absent_from_an_older_checkpoint_is_started_as_registered
     the registered stand-in is applied, one note says so; present, it is restored like the rest."""
     cfg, env, data, training = build_run(tmp_path)
     registry(cfg, env, data, training).save(Progress())  # written before the option existed
-    found = Found(load_checkpoint(str(tmp_path / "checkpoint.pt"), torch.device("cpu")), str(tmp_path / "checkpoint.pt"))
+    found = Found(load_checkpoint(str(tmp_path / "checkpoint.pt"), torch.device("cpu")),
+                  str(tmp_path / "checkpoint.pt"))
     extra, started = torch.nn.Linear(2, 2), []
     checkpoint = registry(cfg, env, data, training)
     checkpoint.add("extra", extra, when_absent="it starts afresh", start_absent=lambda: started.append(True))
     checkpoint.restore(found)
     assert started == [True]
-    assert f"note: {found.path} holds no extra (written before it was added): it starts afresh" in capsys.readouterr().out
+    assert (f"note: {found.path} holds no extra (written before it was added): it starts afresh"
+            in capsys.readouterr().out)
     with torch.no_grad():
         extra.weight.fill_(3.0)
     checkpoint.save(Progress(epoch=1))  # now it holds it
@@ -119,7 +126,8 @@ def test_the_room_check_sizes_the_optimizer_s_real_state_before_its_first_step(o
     the size the room check uses, measured before any step, is what a checkpoint after one step holds."""
     model = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.BatchNorm1d(50))
     make = {"sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-            "adam": lambda p: torch.optim.Adam(p, lr=0.1), "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.1)}[optimizer]
+            "adam": lambda p: torch.optim.Adam(p, lr=0.1),
+            "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.1)}[optimizer]
     opt = make(model.parameters())
     before = state_bytes(opt)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -132,22 +140,26 @@ def test_the_room_check_sizes_the_optimizer_s_real_state_before_its_first_step(o
 @pytest.mark.parametrize("val_size, copies", [(0, 1), (16, 2)])
 def test_the_room_check_counts_best_pt_beside_the_checkpoint_with_a_validation_split(tmp_path, monkeypatch,
                                                                                      val_size, copies):
-    """With --val-size an epoch's end may write best.pt and checkpoint.pt: room for both is needed to start."""
+    """With --val-size an epoch's end may write best.pt and checkpoint.pt: room for both is needed to
+    start."""
     cfg, env, data, training = build_run(tmp_path, ["--val-size", str(val_size)])
     checkpoint = registry(cfg, env, data, training)
     one = sum(state_bytes(obj) for obj in checkpoint.objects().values())
     free = {"bytes": copies * one}
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10 * one, used=0, free=free["bytes"]))
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: SimpleNamespace(total=10 * one, used=0, free=free["bytes"]))
     checkpoint.check_room()  # exactly enough
     free["bytes"] -= 1
     with pytest.raises(UserError, match="no space left on device"):
         checkpoint.check_room()
 
 
-@pytest.mark.parametrize("missing", ["config.data_spec", "config.accumulation_steps", "config.micro_batch_size",
-                                     "config.device_type", "progress.position", "progress.sums", "progress.history",
-                                     "model_config", "data", "scaler", "rng_cpu", "config", "config.epochs"])
-def test_a_checkpoint_that_lacks_a_key_this_version_reads_is_refused_as_older_in_one_line(current_checkpoint, missing):
+@pytest.mark.parametrize("missing", ["config.data_spec", "config.accumulation_steps",
+                                     "config.micro_batch_size", "config.device_type", "progress.position",
+                                     "progress.sums", "progress.history", "model_config", "data", "scaler",
+                                     "rng_cpu", "config", "config.epochs"])
+def test_a_checkpoint_that_lacks_a_key_this_version_reads_is_refused_as_older_in_one_line(current_checkpoint,
+                                                                                          missing):
     ckpt = copy.deepcopy(current_checkpoint)
     *parents, key = missing.split(".")
     holder = ckpt
@@ -157,6 +169,8 @@ def test_a_checkpoint_that_lacks_a_key_this_version_reads_is_refused_as_older_in
     with pytest.raises(UserError) as e:
         check_format(ckpt, "/runs/x/checkpoint.pt", required=("model", "optimizer", "scaler"))
     message = str(e.value)
-    assert message.startswith("/runs/x/checkpoint.pt was written by an older train_ddp.py") and "\n" not in message
-    assert missing in message or missing == "config", message  # it names what is missing (a whole config: its keys)
+    assert (message.startswith("/runs/x/checkpoint.pt was written by an older train_ddp.py")
+            and "\n" not in message)
+    # it names what is missing (a whole config: its keys)
+    assert missing in message or missing == "config", message
     assert "another --out-dir" in message

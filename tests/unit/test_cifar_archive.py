@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dataset_utils as du
+from machinery import cifar_archive
 from support import write_cifar100
 from machinery.errors import UserError
 
@@ -15,7 +16,8 @@ def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch)
     md5 = write_cifar100(str(tmp_path), 250, 120, seed=3)
     # Read back what was written, independently of the code under test.
     write_cifar100(str(tmp_path / "ref"), 250, 120, seed=3, archive=False)
-    monkeypatch.setattr(du, "CIFAR100_MD5", md5)  # the generated archive's md5 stands in for the real one
+    # the generated archive's md5 stands in for the real one
+    monkeypatch.setattr(cifar_archive, "CIFAR100_MD5", md5)
     du.prepare_cifar100(str(tmp_path))
     assert sorted(os.listdir(tmp_path / "cifar-100-python")) == ["meta", "test", "train"]
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]  # no temporary leftovers
@@ -30,7 +32,7 @@ def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch)
     def untouched(*args, **kwargs):
         raise AssertionError("prepare_cifar100 touched the archive again")
     for name in ("check_integrity", "extract_archive", "_download"):
-        monkeypatch.setattr(du, name, untouched)
+        monkeypatch.setattr(cifar_archive, name, untouched)
     du.prepare_cifar100(str(tmp_path))
 
 
@@ -66,7 +68,7 @@ def test_corrupt_archive_is_refused_before_extraction(tmp_path):
 
 
 def test_missing_data_offline_names_the_directory_and_the_archive(tmp_path, monkeypatch):
-    monkeypatch.setattr(du, "CIFAR100_URL", "http://127.0.0.1:9/cifar-100-python.tar.gz")
+    monkeypatch.setattr(cifar_archive, "CIFAR100_URL", "http://127.0.0.1:9/cifar-100-python.tar.gz")
     with pytest.raises(UserError) as e:
         du.prepare_cifar100(str(tmp_path / "data"))
     msg = str(e.value)

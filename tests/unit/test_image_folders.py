@@ -1,8 +1,8 @@
-"""Image folders as users have them, read in-process: the splits' classes compared (ImageFolder numbers the class
-folders it finds, so a test folder that lacks one, or spells one otherwise, would mislabel every later class without
-a word), and dataset_utils.image_folder, the README's reader, on what real folders hold: a Mac's ._ files, notebook
-checkpoints, empty class folders, images of every PIL mode, 16-bit and EXIF-rotated ones. (The entry point on such a
-folder, on 2 ranks: e2e/test_adapt.py.)"""
+"""Image folders as users have them, read in-process: the splits' classes compared (ImageFolder numbers the
+class folders it finds, so a test folder that lacks one, or spells one otherwise, would mislabel every later
+class without a word), and dataset_utils.image_folder, the README's reader, on what real folders hold: a Mac's
+._ files, notebook checkpoints, empty class folders, images of every PIL mode, 16-bit and EXIF-rotated ones.
+(The entry point on such a folder, on 2 ranks: e2e/test_adapt.py.)"""
 import os
 
 import numpy as np
@@ -13,6 +13,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import v2
 
 import dataset_utils as du
+from machinery import bad_samples
+from machinery import data_checks
 from machinery.errors import UserError
 
 
@@ -36,30 +38,38 @@ def plain(root):
 @pytest.mark.parametrize("train_classes, test_classes, named", [
     (["a", "b", "c"], ["a", "c"], "lacks 'b'"),                          # a class with no test images yet
     (["cat", "dog", "emu"], ["cats", "dog", "emu"], "lacks 'cat' and has 'cats'"),  # a typo
-    (["Dog", "cat", "emu"], ["cat", "dog", "emu"], "lacks 'Dog' and has 'dog'"),    # a letter's case: another order
+    # a letter's case: another order
+    (["Dog", "cat", "emu"], ["cat", "dog", "emu"], "lacks 'Dog' and has 'dog'"),
     (["a", "b", "c"], ["a", "b", "c", "d"], "has 'd', which the training split lacks"),
 ])
-def test_a_test_split_that_names_its_classes_otherwise_is_refused_naming_them(tmp_path, train_classes, test_classes,
-                                                                             named):
-    train, test = write_folder(tmp_path / "train", train_classes), write_folder(tmp_path / "test", test_classes)
+def test_a_test_split_that_names_its_classes_otherwise_is_refused_naming_them(tmp_path, train_classes,
+                                                                             test_classes, named):
+    train, test = (write_folder(tmp_path / "train", train_classes),
+                   write_folder(tmp_path / "test", test_classes))
     with pytest.raises(UserError) as e:
-        du.measure_data(plain(train), plain(test))
+        data_checks.measure_data(plain(train), plain(test))
     assert f"the test split's classes are not the training split's: it {named}" in str(e.value)
-    fix = "rename or remove the test split's class folders" if named.startswith("has") else "image_folder(path, classes=...)"
+    fix = ("rename or remove the test split's class folders" if named.startswith("has")
+           else "image_folder(path, classes=...)")
     assert fix in str(e.value)
 
 
 def test_a_test_split_that_lacks_only_the_last_classes_is_taken_and_the_spec_records_the_names(tmp_path):
-    train, test = write_folder(tmp_path / "train", ["a", "b", "c"]), write_folder(tmp_path / "test", ["a", "b"])
-    spec = du.measure_data(plain(train), plain(test))  # every test label means the class it means in training
+    train, test = (write_folder(tmp_path / "train", ["a", "b", "c"]),
+                   write_folder(tmp_path / "test", ["a", "b"]))
+    # every test label means the class it means in training
+    spec = data_checks.measure_data(plain(train), plain(test))
     assert spec.num_classes == 3 and spec.classes == ("a", "b", "c")
 
 
 def test_a_test_split_numbered_by_hand_with_the_training_class_to_idx_is_taken(tmp_path):
-    train, test = plain(write_folder(tmp_path / "train", ["a", "b", "c"])), plain(write_folder(tmp_path / "test", ["a", "c"]))
-    test.samples = [(path, train.class_to_idx[os.path.basename(os.path.dirname(path))]) for path, _ in test.samples]
-    test.class_to_idx, test.targets = dict(train.class_to_idx), [label for _, label in test.samples]  # .classes as found
-    assert du.measure_data(train, test).classes == ("a", "b", "c")
+    train, test = (plain(write_folder(tmp_path / "train", ["a", "b", "c"])),
+                   plain(write_folder(tmp_path / "test", ["a", "c"])))
+    test.samples = [(path, train.class_to_idx[os.path.basename(os.path.dirname(path))])
+                    for path, _ in test.samples]
+    # .classes as found
+    test.class_to_idx, test.targets = dict(train.class_to_idx), [label for _, label in test.samples]
+    assert data_checks.measure_data(train, test).classes == ("a", "b", "c")
 
 
 def test_image_folder_numbers_a_test_split_by_the_training_classes(tmp_path):
@@ -69,12 +79,13 @@ def test_image_folder_numbers_a_test_split_by_the_training_classes(tmp_path):
     train, test = du.image_folder(tmp_path / "train", classes), du.image_folder(tmp_path / "test", classes)
     assert test.classes == ["a", "b", "c"] and test.targets == [0, 0, 2, 2]  # c is 2, as in training
     train.mean, train.std = (0.5,) * 3, (0.25,) * 3
-    assert du.measure_data(train, test).num_classes == 3
+    assert data_checks.measure_data(train, test).num_classes == 3
 
 
 def test_image_folder_leaves_out_hidden_files_and_folders_and_says_so(tmp_path, capsys):
     root = write_folder(tmp_path / "train", ["a", "b"])
-    (root / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")  # AppleDouble: metadata, not an image
+    # AppleDouble: metadata, not an image
+    (root / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")
     (root / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
     (root / "b" / ".ipynb_checkpoints").mkdir()
     Image.new("RGB", (8, 8)).save(root / "b" / ".ipynb_checkpoints" / "0-checkpoint.png")
@@ -83,16 +94,19 @@ def test_image_folder_leaves_out_hidden_files_and_folders_and_says_so(tmp_path, 
     (root / "a" / "notes.txt").write_text("not an image")
     data = du.image_folder(root)
     assert data.classes == ["a", "b"] and len(data) == 4
-    assert sorted(os.path.relpath(path, root) for path, _ in data.samples) == ["a/0.png", "a/1.png", "b/0.png", "b/1.png"]
+    assert (sorted(os.path.relpath(path, root) for path, _ in data.samples)
+            == ["a/0.png", "a/1.png", "b/0.png", "b/1.png"])
     # a/._0.png and b/.ipynb_checkpoints/0-checkpoint.png; the top-level ones are no class, so never read
     assert f"{root}: left out 2 hidden files (names that start with '.', such as " in capsys.readouterr().out
 
 
-def test_image_folder_refuses_an_empty_class_folder_and_a_class_folder_not_among_the_training_classes(tmp_path):
+def test_image_folder_refuses_an_empty_class_folder_and_a_class_folder_not_among_the_training_classes(
+        tmp_path):
     root = write_folder(tmp_path / "train", ["a", "b"])
     (root / "c").mkdir()
     (root / "c" / "scan.heic").write_bytes(b"")  # a file, but not of an image type ImageFolder reads
-    with pytest.raises(UserError, match=f"the class folder {root}/c holds no image file .*: give it its images, or remove it"):
+    with pytest.raises(UserError, match=f"the class folder {root}/c holds no image file .*: give it its "
+                                        f"images, or remove it"):
         du.image_folder(root)
     test = write_folder(tmp_path / "test", ["a", "B"])
     with pytest.raises(UserError, match=f"{test} holds the class folder 'B', not among the training classes"):
@@ -105,11 +119,13 @@ def test_image_folder_reads_l_rgba_p_1_bit_cmyk_16_bit_and_exif_rotated_images_a
     root = tmp_path / "train" / "a"
     root.mkdir(parents=True)
     grey = np.arange(64, dtype=np.uint8).reshape(8, 8) * 4
-    Image.fromarray(grey.astype(np.uint16) * 257).save(root / "0_16bit.png")  # 16 bits: the same greys, scaled
+    # 16 bits: the same greys, scaled
+    Image.fromarray(grey.astype(np.uint16) * 257).save(root / "0_16bit.png")
     rgb = Image.fromarray(np.stack([grey] * 3, axis=-1))
     for mode in ("L", "RGBA", "P", "1", "CMYK"):
         rgb.convert(mode).save(root / f"1_{mode}.{'jpg' if mode == 'CMYK' else 'png'}")
-    tall = Image.fromarray(np.zeros((8, 4, 3), dtype=np.uint8))  # stored 4 wide, 8 high; EXIF: turn it 90 degrees
+    # stored 4 wide, 8 high; EXIF: turn it 90 degrees
+    tall = Image.fromarray(np.zeros((8, 4, 3), dtype=np.uint8))
     exif = Image.Exif()
     exif[0x0112] = 6
     tall.save(root / "2_exif.jpg", exif=exif)
@@ -125,24 +141,50 @@ def test_a_mac_appledouble_file_read_by_a_plain_image_folder_is_named_with_the_w
     root = write_folder(tmp_path / "train", ["a"])
     (root / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")
     data = plain(root)
-    bad = du.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("._0.png"), "training")
-    assert isinstance(bad, du.BadSample) and bad.file.endswith("a/._0.png")
+    bad = bad_samples.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("._0.png"),
+                                  "training")
+    assert isinstance(bad, bad_samples.BadSample) and bad.file.endswith("a/._0.png")
     assert bad.fix.startswith("it is a Mac's AppleDouble metadata file, not an image: delete them (find ")
     assert "-name '._*' -delete), or read the folder with dataset_utils.image_folder" in bad.fix
     # A ._ file beside every image: they sort first, so none of a class folder's first samples reads.
     for i in range(1, 12):
         Image.new("RGB", (8, 8)).save(root / "a" / f"{i:02d}.png")
         (root / "a" / f"._{i:02d}.png").write_bytes(b"\x00\x05\x16\x07Mac OS X        ")
-    with pytest.raises(UserError, match="none of its first 10 samples reads; the last: training sample 9 .*/a/._.*"
-                                        "it is a Mac's AppleDouble metadata file, not an image: delete them"):
-        du.check_split(plain(root), "training")
+    with pytest.raises(UserError, match="none of its first 10 samples reads; the last: training sample 9 "
+                                        ".*/a/._.*it is a Mac's AppleDouble metadata file, not an image: "
+                                        "delete them"):
+        data_checks.check_split(plain(root), "training")
 
 
 def test_a_broken_symbolic_link_is_named_as_one_with_its_target(tmp_path):
     root = write_folder(tmp_path / "train", ["a"])
     (root / "a" / "2.png").symlink_to(tmp_path / "moved" / "2.png")  # ImageFolder lists it; reading it fails
     data = du.image_folder(root)
-    bad = du.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("2.png"), "training")
+    bad = bad_samples.read_sample(data, [os.path.basename(p) for p, _ in data.samples].index("2.png"),
+                                  "training")
     assert bad.reason.startswith("FileNotFoundError") and bad.file.endswith("a/2.png")
-    assert bad.fix == f"it is a symbolic link to {tmp_path}/moved/2.png, which does not exist: restore that file, " \
-                      "or remove the link"
+    assert bad.fix == (f"it is a symbolic link to {tmp_path}/moved/2.png, which does not exist: restore "
+                       "that file, or remove the link")
+
+
+def test_mean_std_of_a_dataset_is_exact_over_all_or_over_an_even_sample():
+    """dataset_utils.mean_std, the README's folder reader's statistics: the integer-exact statistics of the
+    images it reads (measure_data's channel_stats of the same images stacked), all of them or every k-th."""
+    g = torch.Generator().manual_seed(0)
+    images = (torch.rand(30, 3, 5, 7, generator=g)
+              * torch.tensor([50.0, 150.0, 255.0]).view(1, 3, 1, 1)).to(torch.uint8)
+    items = [(image, 0) for image in images]
+    assert du.mean_std(items, samples=0) == data_checks.channel_stats(images)
+    assert du.mean_std(items, samples=10) == data_checks.channel_stats(images[0::3])  # 10 of 30: every third
+    assert du.mean_std(items, samples=10) != data_checks.channel_stats(images)
+
+
+def test_image_folder_resizes_images_of_other_sizes_to_the_size_asked(tmp_path):
+    for name, (w, h) in (("a", (12, 9)), ("b", (5, 7))):  # PIL's (width, height)
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (w, h), (200, 10, 10)).save(tmp_path / name / "x.png")
+    data = du.image_folder(tmp_path, size=(8, 6))
+    assert [tuple(data[i][0].shape) for i in range(2)] == [(3, 8, 6), (3, 8, 6)]
+    assert data[0][0][:, 4, 3].tolist() == [200, 10, 10]  # resized, not cropped or padded
+    assert tuple(du.image_folder(tmp_path, size=5)[1][0].shape) == (3, 5, 5)
+    assert [tuple(du.image_folder(tmp_path)[i][0].shape) for i in range(2)] == [(3, 9, 12), (3, 7, 5)]  # as stored

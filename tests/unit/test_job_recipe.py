@@ -1,6 +1,7 @@
 """Presets in Python (--recipe NAME, RECIPES in config.py): wrn-paper is the WRN paper's recipe, carried
 to its batch, and the job scripts run it by name; flags given on the command line win whatever their order;
---help lists each preset and what it sets; with no --recipe the defaults stay the original script's smoke run."""
+--help lists each preset and what it sets; with no --recipe the defaults stay the original script's smoke
+run."""
 import pytest
 
 from machinery.cli import parse_flags
@@ -45,7 +46,14 @@ def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_
     assert job_recipe() == ["--recipe", "wrn-paper"]
     for script in ("multigpu.sh", "multinode.sh", "srun_direct.sh"):
         text = open(f"{ROOT}/jobs/{script}").read()
-        assert 'train_ddp.py "${RECIPE[@]}" "$@"' in text and 'print_recipe "$@"' in text, script
+        assert 'train_ddp.py "${RECIPE[@]}" "$@"' in text and 'job_preamble "$@"' in text, script
+    import subprocess  # job_preamble (lib.sh) prints the recipe, and the user's flags as they win over it
+    script = f'source {ROOT}/jobs/lib.sh >/dev/null; job_preamble "$@"'
+    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "SLURM_GPUS_ON_NODE": "0"}
+    out = subprocess.run(["bash", "-c", script, "job", "--epochs", "3"], env=env, capture_output=True,
+                         text=True)
+    assert "=== recipe: --recipe wrn-paper " in out.stdout, out.stderr
+    assert "=== arguments after the script (these win): --epochs 3" in out.stdout.splitlines(), out.stderr
 
 
 @pytest.mark.parametrize("flags,out", [(["--epochs", "3", "--out-dir", "{tmp}/a"], "{tmp}/a"),
@@ -62,3 +70,26 @@ def test_the_job_scripts_point_nccl_s_flight_recorder_at_the_out_dir_on_gpu_node
     cpu = subprocess.run(["bash", "-c", script, "job", *flags], env={**env, "SLURM_GPUS_ON_NODE": "0"},
                          capture_output=True, text=True)
     assert cpu.stdout.splitlines()[-1] == "||"  # no GPUs granted: NCCL is not used
+
+
+def test_data_dir_sets_the_data_and_the_container_binds_the_data_and_an_out_dir_outside_the_project(tmp_path):
+    import subprocess
+    data, out = tmp_path / "data", tmp_path / "scratch" / "run"
+    data.mkdir()
+    script = (f'source {ROOT}/jobs/lib.sh >/dev/null; printf "%s\\n" "${{RECIPE[@]}}"; '
+              f'echo "LAUNCH ${{LAUNCH[*]}}"')
+    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "CONTAINER": "/images/pytorch.sif"}
+
+    def source(extra_env, *flags):
+        got = subprocess.run(["bash", "-c", script, "job", *flags], env={**env, **extra_env},
+                             capture_output=True, text=True)
+        return got.stdout.splitlines()
+    lines = source({"DATA_DIR": str(data)}, "--epochs", "3", "--out-dir", str(out))
+    # the user's --data-dir would follow
+    assert lines[:4] == ["--recipe", "wrn-paper", "--data-dir", str(data)]
+    assert lines[-1] == (f"LAUNCH apptainer exec --nv --bind {ROOT},{data},{out} --pwd {ROOT} "
+                         f"/images/pytorch.sif")
+    assert out.is_dir()  # a bind needs the folder
+    lines = source({}, "--out-dir", "runs/x")  # no DATA_DIR: train_ddp.py's ./datasets; inside the project
+    assert lines[:2] == ["--recipe", "wrn-paper"] and len(lines) == 3
+    assert lines[-1] == f"LAUNCH apptainer exec --nv --bind {ROOT} --pwd {ROOT} /images/pytorch.sif"

@@ -1,10 +1,13 @@
 """The loaders (dataset_utils.build_loaders): the test shards score every image exactly once for any
-world size, as stored (no augmentation); the device-resident loader yields the DataLoader's batches bit for bit (any world size,
-accumulation, resume position and image shape); a Dataset's integer labels reach the loss as int64."""
+world size, as stored (no augmentation); the device-resident loader yields the DataLoader's batches bit for
+bit (any world size, accumulation, resume position and image shape); a Dataset's integer labels reach the loss
+as int64."""
 import pytest
 import torch
 
 import dataset_utils as du
+import support
+from machinery import data_checks
 from support import index_images, loaders_both_ways
 
 
@@ -19,8 +22,9 @@ def test_test_shards_cover_every_image_exactly_once(world_size):
     data = du.ImageData(torch.from_numpy(index_images(301)), torch.arange(301))
     seen = []
     for rank in range(world_size):
-        _, test_loader = du.build_loaders(data, data, batch_size=16 * world_size, rank=rank, world_size=world_size,
-                                          accum_steps=1, eval_batch=16, seed=0, workers=0, pin_memory=False)
+        _, test_loader = support.build_loaders(data, data, batch_size=16 * world_size, rank=rank,
+                                               world_size=world_size, accum_steps=1, eval_batch=16, seed=0,
+                                               workers=0, pin_memory=False)
         for images, labels in test_loader:
             seen += (images[:, 0, 16, 16].long() + 256 * images[:, 1, 16, 16].long()).tolist()
     assert sorted(seen) == list(range(301))
@@ -32,10 +36,12 @@ def test_the_test_loader_yields_the_stored_images_without_augmentation(device, w
     """Rank r's test batches are its shard (images r, r + world_size, ...) exactly as stored: no crop, no
     flip, whatever the epoch; the training loader of the same data does augment (the control)."""
     g = torch.Generator().manual_seed(4)
-    data = du.ImageData(torch.randint(0, 256, (101, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(101))
+    data = du.ImageData(torch.randint(0, 256, (101, 3, 32, 32), dtype=torch.uint8, generator=g),
+                        torch.arange(101))
     for rank in range(world_size):
-        train, test = du.build_loaders(data, data, batch_size=8 * world_size, rank=rank, world_size=world_size,
-                                       accum_steps=1, eval_batch=8, seed=0, workers=0, pin_memory=False, device=device)
+        train, test = support.build_loaders(data, data, batch_size=8 * world_size, rank=rank,
+                                            world_size=world_size, accum_steps=1, eval_batch=8, seed=0,
+                                            workers=0, pin_memory=False, device=device)
         for epoch in (1, 2):
             train.batch_sampler.set_epoch(epoch)
             images, labels = (torch.cat(parts) for parts in zip(*test))
@@ -48,13 +54,14 @@ def test_the_test_loader_yields_the_stored_images_without_augmentation(device, w
 @pytest.mark.parametrize("world_size,accum,start", [(1, 1, 0), (3, 1, 0), (2, 1, 64), (3, 1, 96), (2, 2, 64)])
 def test_gpu_and_torch_loaders_yield_identical_batches(world_size, accum, start):
     g = torch.Generator().manual_seed(0)
-    data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
+    data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g),
+                        torch.arange(300))
     for rank in range(world_size):
         batch = 32 * world_size
-        common = dict(batch_size=batch, rank=rank, world_size=world_size, accum_steps=accum, eval_batch=32, seed=5,
-                      workers=0, pin_memory=False)
-        torch_train, torch_test = du.build_loaders(data, data, **common)
-        dev_train, dev_test = du.build_loaders(data, data, **common, device=torch.device("cpu"))
+        common = dict(batch_size=batch, rank=rank, world_size=world_size, accum_steps=accum, eval_batch=32,
+                      seed=5, workers=0, pin_memory=False)
+        torch_train, torch_test = support.build_loaders(data, data, **common)
+        dev_train, dev_test = support.build_loaders(data, data, **common, device=torch.device("cpu"))
         for epoch in (1, 2):
             torch_train.batch_sampler.set_epoch(epoch, start=start)
             dev_train.batch_sampler.set_epoch(epoch, start=start)
@@ -62,20 +69,23 @@ def test_gpu_and_torch_loaders_yield_identical_batches(world_size, accum, start)
             assert len(a) == len(b) == len(dev_train) == len(torch_train)
             for (xa, ya), (xb, yb) in zip(a, b):
                 assert torch.equal(xa, xb) and torch.equal(ya, yb)
-        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
+        assert all(torch.equal(xa, xb) and torch.equal(ya, yb)
+                   for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40)])
 def test_both_loaders_yield_identical_batches_for_any_image_shape(shape):
     g = torch.Generator().manual_seed(0)
-    data = du.ImageData(torch.randint(0, 256, (150, *shape), dtype=torch.uint8, generator=g), torch.arange(150))
+    data = du.ImageData(torch.randint(0, 256, (150, *shape), dtype=torch.uint8, generator=g),
+                        torch.arange(150))
     for rank in range(2):
         (torch_train, torch_test), (dev_train, dev_test) = loaders_both_ways(
             data, rank=rank, device=torch.device("cpu"), batch_size=32, eval_batch=16, epoch=1, start=64)
         a, b = list(torch_train), list(dev_train)
         assert len(a) == len(b) == 3 and all(x.shape[1:] == shape for x, _ in a)
         assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
-        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
+        assert all(torch.equal(xa, xb) and torch.equal(ya, yb)
+                   for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
 
 
 def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
@@ -84,9 +94,9 @@ def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
     items = Files([(torch.full((1, 8, 8), i, dtype=torch.uint8), label) for i, label in
                    enumerate([torch.tensor(0, dtype=torch.int32), np.int64(1), 1, torch.tensor(0)])])
     items.mean, items.std = (0.5,), (0.25,)
-    assert du.measure_data(items, items).num_classes == 2
-    train, test = du.build_loaders(items, items, batch_size=4, rank=0, world_size=1, accum_steps=1, eval_batch=4, seed=0,
-                                   workers=0, pin_memory=False)
+    assert data_checks.measure_data(items, items).num_classes == 2
+    train, test = support.build_loaders(items, items, batch_size=4, rank=0, world_size=1, accum_steps=1,
+                                        eval_batch=4, seed=0, workers=0, pin_memory=False)
     train.batch_sampler.set_epoch(1)
     for loader in (train, test):
         (images, labels), = list(loader)

@@ -1,5 +1,5 @@
 """The LR: the scaling rule that carries --base-lr from --reference-batch-size to the global batch
-(train_utils.scaled_lr: linear, sqrt, none), and the schedule's factor of that peak for each step
+(config.scaled_lr: linear, sqrt, none), and the schedule's factor of that peak for each step
 (train_utils.lr_factor): a linear warm-up measured at the step's end, then cosine to 0 or the WRN
 paper's x0.2 steps at 30%, 60% and 80% of training, counted in samples so that the batch size does
 not move it."""
@@ -7,16 +7,18 @@ import math
 
 import pytest
 
-from train_utils import lr_factor, scaled_lr
+from config import scaled_lr
+from train_utils import lr_factor
 
 
 @pytest.mark.parametrize("rule,batch,reference,expected", [
-    ("linear", 512, 128, 0.4), ("linear", 1024, 128, 0.8), ("linear", 64, 128, 0.05), ("linear", 128, 128, 0.1),
+    ("linear", 512, 128, 0.4), ("linear", 1024, 128, 0.8), ("linear", 64, 128, 0.05),
+    ("linear", 128, 128, 0.1),
     ("sqrt", 512, 128, 0.2), ("sqrt", 32, 128, 0.05), ("sqrt", 256, 128, 0.1 * math.sqrt(2)),
     ("none", 512, 128, 0.1), ("none", 32, 128, 0.1),
 ])
-def test_the_lr_rule_scales_the_base_lr_by_the_batch_ratio_its_square_root_or_not_at_all(rule, batch, reference,
-                                                                                          expected):
+def test_the_lr_rule_scales_the_base_lr_by_the_batch_ratio_its_square_root_or_not_at_all(
+        rule, batch, reference, expected):
     assert scaled_lr(0.1, batch, reference, rule) == pytest.approx(expected, rel=1e-12)
 
 
@@ -27,7 +29,8 @@ def factors(n, batch, epochs, warmup, schedule):
     for epoch in range(1, epochs + 1):
         for position in range(0, n, batch):
             start, end = epoch - 1 + position / n, epoch - 1 + min(position + batch, n) / n
-            out.append((start, end, lr_factor(start, end, epochs=epochs, warmup_epochs=warmup, schedule=schedule)))
+            out.append((start, end,
+                        lr_factor(start, end, epochs=epochs, warmup_epochs=warmup, schedule=schedule)))
     return out
 
 
@@ -36,7 +39,8 @@ def test_warm_up_rises_linearly_from_near_0_to_1_at_warmup_epochs_measured_at_ea
     steps = factors(n=1000, batch=100, epochs=10, warmup=2, schedule=schedule)  # 10 steps per epoch
     warm = [(s, e, f) for s, e, f in steps if s < 2]
     assert len(warm) == 20
-    assert all(f == pytest.approx(e / 2, rel=1e-12) for s, e, f in warm)  # linear in the samples seen by its end
+    # linear in the samples seen by its end
+    assert all(f == pytest.approx(e / 2, rel=1e-12) for s, e, f in warm)
     assert warm[0][2] == pytest.approx(0.05)  # the first step: a 20th of the peak, not 0 (a wasted step)
     assert warm[-1][1] == 2 and warm[-1][2] == 1.0  # the step that ends at warmup_epochs reaches the peak
     assert all(a[2] < b[2] for a, b in zip(warm, warm[1:]))  # rising all the way
@@ -63,8 +67,8 @@ def test_cosine_is_1_after_warm_up_half_at_the_midpoint_and_reaches_0_at_the_end
 def test_step_schedule_multiplies_by_0_2_exactly_at_30_60_and_80_percent_of_training():
     """The recipe's 200 epochs: x0.2 from epoch 60, 120 and 160 on (the WRN paper's), to 0.2, 0.04, 0.008."""
     kw = dict(epochs=200, warmup_epochs=5, schedule="step")
-    for start, expected in [(5.0, 1.0), (59.999, 1.0), (60.0, 0.2), (119.999, 0.2), (120.0, 0.04), (159.999, 0.04),
-                            (160.0, 0.008), (199.99, 0.008)]:
+    for start, expected in [(5.0, 1.0), (59.999, 1.0), (60.0, 0.2), (119.999, 0.2), (120.0, 0.04),
+                            (159.999, 0.04), (160.0, 0.008), (199.99, 0.008)]:
         assert lr_factor(start, start + 0.001, **kw) == pytest.approx(expected, rel=1e-12), start
     # On a whole run of 10 epochs: 1 for epochs 1-3, then 0.2 for 4-6, 0.04 for 7-8, 0.008 for 9-10.
     steps = factors(n=500, batch=100, epochs=10, warmup=0, schedule="step")
@@ -87,7 +91,8 @@ def test_the_schedule_is_counted_in_samples_so_the_batch_size_does_not_move_it(s
     for batch in (96, 320):
         for s, e, f in runs[batch]:
             if s >= warmup:
-                assert f == fine[round(s, 12)], (batch, s)  # 32 divides 96 and 320: each start is one of batch 32's
+                # 32 divides 96 and 320: each start is one of batch 32's
+                assert f == fine[round(s, 12)], (batch, s)
     if schedule == "step":
         for batch, steps in runs.items():
             for milestone, level in ((0.3 * epochs, 0.2), (0.6 * epochs, 0.04), (0.8 * epochs, 0.008)):
@@ -116,6 +121,7 @@ def test_the_step_that_starts_exactly_at_a_milestone_is_the_first_to_drop(epochs
 
 def test_constant_schedule_keeps_the_peak_after_warm_up_and_without_warm_up_from_the_first_step():
     """The original script's constant LR: 1 from the first step without warm-up, and after a warm-up."""
-    assert {lr_factor(s, s + 0.01, epochs=10, warmup_epochs=0, schedule="constant") for s in (0.0, 3.5, 9.99)} == {1.0}
+    assert {lr_factor(s, s + 0.01, epochs=10, warmup_epochs=0, schedule="constant")
+            for s in (0.0, 3.5, 9.99)} == {1.0}
     assert lr_factor(0.0, 0.5, epochs=10, warmup_epochs=1, schedule="constant") == 0.5
     assert lr_factor(1.0, 1.5, epochs=10, warmup_epochs=1, schedule="constant") == 1.0

@@ -1,13 +1,16 @@
-"""The modern recipe's pieces in-process (transforms.py, dataset_utils.hold_out, the EMA's decay, --init-from's
-reading): TrivialAugmentWide and random erasing the same bits per image alone or in a batch, on both loaders;
-mixup/cutmix the same for W ranks x A micro-steps as for W x A ranks; the held-out split disjoint and fixed.
-The entry point's behaviours (resume, ranks x micro-steps, best.pt, ...) are in tests/e2e/test_modern_recipe.py."""
+"""The modern recipe's pieces in-process (transforms.py, dataset_utils.hold_out, the EMA's decay,
+--init-from's reading): TrivialAugmentWide and random erasing the same bits per image alone or in a batch, on
+both loaders; mixup/cutmix the same for W ranks x A micro-steps as for W x A ranks; the held-out split
+disjoint and fixed. The entry point's behaviours (resume, ranks x micro-steps, best.pt, ...) are in
+tests/e2e/test_modern_recipe.py."""
 import argparse
 
 import pytest
 import torch
 
 import dataset_utils as du
+import support
+from machinery import data_checks
 import transforms
 import train_utils
 from machinery.checkpoints import load_initial_weights
@@ -27,7 +30,8 @@ def random_images(n, channels=3, size=(20, 24), seed=0):
 def test_each_image_is_augmented_the_same_alone_as_in_any_batch(channels):
     x = random_images(96, channels)
     h = transforms.mix64(3, 2, torch.arange(96))
-    augment = transforms.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5, fill=(128,) * channels)
+    augment = transforms.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5,
+                                 fill=(128,) * channels)
     whole = augment(x, h)
     assert torch.equal(whole, torch.cat([augment(x[i:i + 1], h[i:i + 1]) for i in range(96)]))
     assert torch.equal(whole[10:50], augment(x[10:50], h[10:50]))
@@ -63,11 +67,12 @@ def test_random_erasing_fills_one_box_of_the_fill_colour_with_its_probability():
 
 def test_both_loaders_give_the_same_augmented_batches():
     data = du.ImageData(random_images(40), torch.arange(40) % 10)
-    spec = du.measure_data(data, data)
-    common = dict(batch_size=8, rank=1, world_size=2, accum_steps=1, eval_batch=8, seed=5, workers=0, pin_memory=False,
-                  augment={**AUGMENT, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}, spec=spec)
-    (torch_train, _), (dev_train, _) = (du.build_loaders(data, data, **common),
-                                        du.build_loaders(data, data, **common, device=torch.device("cpu")))
+    spec = data_checks.measure_data(data, data)
+    common = dict(batch_size=8, rank=1, world_size=2, accum_steps=1, eval_batch=8, seed=5, workers=0,
+                  pin_memory=False, augment={**AUGMENT, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}, spec=spec)
+    (torch_train, _), (dev_train, _) = (
+        support.build_loaders(data, data, **common),
+        support.build_loaders(data, data, **common, device=torch.device("cpu")))
     for loader in (torch_train, dev_train):
         loader.batch_sampler.set_epoch(3, start=8)
     batches = list(zip(torch_train, dev_train))
@@ -78,7 +83,8 @@ def test_both_loaders_give_the_same_augmented_batches():
 
 
 def mixed_steps(world_size, accum, position=64):
-    """Rank r's micro-batches of one global step of 8, mixed, for W ranks x A micro-steps: keyed by virtual rank."""
+    """Rank r's micro-batches of one global step of 8, mixed, for W ranks x A micro-steps: keyed by virtual
+    rank."""
     images = random_images(8, 3, (8, 8))
     labels = torch.arange(8)
     out = {}
@@ -102,7 +108,8 @@ def test_mixup_and_cutmix_mix_each_virtual_rank_alike_for_any_ranks_x_micro_step
         assert sorted(got) == sorted(reference)
         for v in reference:
             assert torch.equal(got[v][0], reference[v][0]) and torch.equal(got[v][1], reference[v][1])
-    assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference.values(), mixed_steps(4, 1, 72).values()))
+    assert any(not torch.equal(a[0], b[0])
+               for a, b in zip(reference.values(), mixed_steps(4, 1, 72).values()))
     for _, targets in reference.values():  # soft targets: two classes, summing to 1
         assert torch.allclose(targets.sum(1), torch.ones(len(targets)))
         assert ((targets > 0).sum(1) <= 2).all()
@@ -110,23 +117,23 @@ def test_mixup_and_cutmix_mix_each_virtual_rank_alike_for_any_ranks_x_micro_step
 
 def test_the_validation_split_is_held_out_the_same_whatever_the_seed_and_never_trained():
     data = du.ImageData(random_images(50, 1, (4, 4)), torch.arange(50))
-    train, val = du.hold_out(data, 12)
-    again, val_again = du.hold_out(data, 12)
+    train, val = data_checks.hold_out(data, 12)
+    again, val_again = data_checks.hold_out(data, 12)
     assert len(val) == 12 and len(train) == 38
     assert torch.equal(val.labels, val_again.labels) and torch.equal(train.labels, again.labels)
     assert not set(train.labels.tolist()) & set(val.labels.tolist())
     assert sorted(train.labels.tolist() + val.labels.tolist()) == list(range(50))
     with pytest.raises(UserError, match="--val-size 50 leaves no training samples"):
-        du.hold_out(data, 50)
+        data_checks.hold_out(data, 50)
 
 
 def test_ema_decay_is_per_reference_batch_so_its_horizon_in_samples_keeps_with_the_batch():
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
     import config
     for batch, expect in ((128, 0.99), (512, 0.99 ** 4), (64, 0.99 ** 0.5)):
-        args = config.get_args_parser().parse_args(["--batch-size", str(batch), "--reference-batch-size", "128",
-                                                    "--model-ema-decay", "0.99"])
-        assert train_utils.make_config(args, env).ema_decay == pytest.approx(expect)
+        args = config.get_args_parser().parse_args(
+            ["--batch-size", str(batch), "--reference-batch-size", "128", "--model-ema-decay", "0.99"])
+        assert config.make_config(args, env).ema_decay == pytest.approx(expect)
 
 
 def small_wrn(classes, channels=3, width=1):
@@ -136,7 +143,8 @@ def small_wrn(classes, channels=3, width=1):
 
 def test_init_from_keeps_every_layer_and_starts_another_head_afresh(tmp_path):
     source = small_wrn(10)
-    torch.save({"module." + k: v for k, v in source.state_dict().items()}, tmp_path / "ddp.pt")  # DDP-prefixed
+    # DDP-prefixed
+    torch.save({"module." + k: v for k, v in source.state_dict().items()}, tmp_path / "ddp.pt")
     model = small_wrn(100)
     torch.manual_seed(9)
     model.fc.reset_parameters()
@@ -152,7 +160,9 @@ def test_init_from_keeps_every_layer_and_starts_another_head_afresh(tmp_path):
 
 def test_init_from_refuses_another_layer_naming_it(tmp_path):
     torch.save(small_wrn(10, channels=1).state_dict(), tmp_path / "gray.pt")
-    with pytest.raises(UserError, match=r"--init-from .*gray.pt: layer \S+ is \(16, 1, 3, 3\), the model's \(16, 3, 3, 3\)"):
+    with pytest.raises(UserError,
+                       match=r"--init-from .*gray.pt: layer \S+ is \(16, 1, 3, 3\), the model's "
+                             r"\(16, 3, 3, 3\)"):
         load_initial_weights(small_wrn(10), str(tmp_path / "gray.pt"))
     torch.save(small_wrn(10, width=2).state_dict(), tmp_path / "wide.pt")
     with pytest.raises(UserError, match=r"--init-from .*wide.pt: its tensor \S+ has no place in this model"):
@@ -165,13 +175,16 @@ def test_init_from_refuses_another_layer_naming_it(tmp_path):
 
 
 def test_recipe_flags_are_checked_in_one_line():
-    from machinery.cli import check_recipe_args
-    good = dict(model_ema_decay=0.999, clip_grad_norm=None, norm_weight_decay=None, random_erase=0.0, mixup_alpha=0.0,
-                cutmix_alpha=0.0, val_size=0)
+    from config import check_recipe_args
+    good = dict(model_ema_decay=0.999, clip_grad_norm=None, norm_weight_decay=None, random_erase=0.0,
+                mixup_alpha=0.0, cutmix_alpha=0.0, val_size=0)
     check_recipe_args(argparse.Namespace(**good))
-    for change, says in ((dict(model_ema_decay=1.0), "--model-ema-decay"), (dict(clip_grad_norm=0.0), "--clip-grad-norm"),
-                         (dict(random_erase=1.5), "--random-erase"), (dict(mixup_alpha=-1.0), "--mixup-alpha"),
-                         (dict(val_size=-2), "--val-size"), (dict(norm_weight_decay=-1.0), "--norm-weight-decay")):
+    for change, says in ((dict(model_ema_decay=1.0), "--model-ema-decay"),
+                         (dict(clip_grad_norm=0.0), "--clip-grad-norm"),
+                         (dict(random_erase=1.5), "--random-erase"),
+                         (dict(mixup_alpha=-1.0), "--mixup-alpha"),
+                         (dict(val_size=-2), "--val-size"),
+                         (dict(norm_weight_decay=-1.0), "--norm-weight-decay")):
         with pytest.raises(UserError, match=says):
             check_recipe_args(argparse.Namespace(**{**good, **change}))
 
@@ -180,21 +193,26 @@ def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():
     from machinery.checkpoints import is_best_epoch
     accs = [0.2, 0.5, 0.4, 0.5, 0.7, 0.6]
     history = [{"val_acc": a} for a in accs]
-    assert [is_best_epoch(history[:k + 1]) for k in range(len(accs))] == [True, True, False, False, True, False]
+    assert ([is_best_epoch(history[:k + 1]) for k in range(len(accs))]
+            == [True, True, False, False, True, False])
 
 
 @pytest.mark.parametrize("change, says", [
     (["--mixup-alpha", "0.2"], "--mixup-alpha 0.2 differs from the None the checkpoint"),
     (["--model-ema"], "leave --model-ema out to continue it"),
-    (["--val-size", "100"], "--val-size 100 would hold out samples that the checkpoint"),
+    (["--val-size", "100"],
+     "--val-size 100 would change the data that the checkpoint .* leave --val-size out"),
 ])
 def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_on(change, says):
     import config
-    from machinery.checkpoints import RECIPE_FLAGS, checkpoint_flags
+    from machinery.checkpoints import checkpoint_flags
     before = vars(config.get_args_parser().parse_args([]))
-    saved = {k: v for k, v in before.items() if k not in RECIPE_FLAGS + ("val_size", "tta", "init_from")}
+    recipe_flags = [k for k, (rule, _) in config.resume_rules().items() if rule == config.RECIPE]
+    assert "mixup_alpha" in recipe_flags and "model_ema" in recipe_flags
+    saved = {k: v for k, v in before.items() if k not in recipe_flags + ["val_size", "tta", "init_from"]}
     ckpt = {"config": {**saved, "micro_batch_size": 512}, "model_config": {"depth": 16, "widen_factor": 8}}
-    flags, notes = checkpoint_flags(config.get_args_parser().parse_args(["--tta"]), {"tta"}, ckpt)  # may change
+    # may change
+    flags, notes = checkpoint_flags(config.get_args_parser().parse_args(["--tta"]), {"tta"}, ckpt)
     assert flags["tta"] and notes == []
     with pytest.raises(UserError, match=says):
         checkpoint_flags(config.get_args_parser().parse_args(change), set(), ckpt)

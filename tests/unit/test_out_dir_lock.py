@@ -37,9 +37,8 @@ def no_job_ids(monkeypatch):
     (5, {"slurm_job": "77"}, {"SLURM_JOB_ID": "78"}, "refused"),  # the same job submitted twice
     (5, {"torchrun": "rdzv-1"}, {"TORCHELASTIC_RUN_ID": "rdzv-1"}, "an earlier attempt of this torchrun job"),
 ])
-def test_a_lock_from_another_node_is_refused_unless_stale_or_an_earlier_attempt_of_this_job(tmp_path, monkeypatch,
-                                                                                             age_s, fields, env,
-                                                                                             outcome):
+def test_a_lock_from_another_node_is_refused_unless_stale_or_an_earlier_attempt_of_this_job(
+        tmp_path, monkeypatch, age_s, fields, env, outcome):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     write_lock(tmp_path, "some-other-node", age_s, **fields)
@@ -77,7 +76,8 @@ def test_a_lock_on_this_host_is_refused_while_its_process_lives_and_taken_over_o
 def test_a_run_whose_lock_is_gone_says_so_and_writes_nothing(tmp_path):
     lock = OutDirLock(str(tmp_path)).acquire()
     os.unlink(tmp_path / "run.lock")
-    with pytest.raises(UserError, match=f"this run's lock {tmp_path}/run.lock is gone .deleted, or --out-dir removed."):
+    with pytest.raises(UserError,
+                       match=f"this run's lock {tmp_path}/run.lock is gone .deleted, or --out-dir removed."):
         lock.check()
     lock.release()
     assert os.listdir(tmp_path) == []  # no lock put back, no file of any kind

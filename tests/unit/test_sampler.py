@@ -1,5 +1,5 @@
 """Which samples each rank trains on (dataset_utils.EpochSampler) and how a step splits into
-micro-batches (deal_step, step_split, train_utils.accumulation_steps): every sample once per epoch on
+micro-batches (deal_step, step_split, config.accumulation_steps): every sample once per epoch on
 any world size, accumulation and resume position, the sampler's keys agreeing with the sizes
 train_step splits by, and micro-batches that never exceed --micro-batch."""
 import itertools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dataset_utils import EpochSampler, deal_step
-from train_utils import accumulation_steps
+from config import accumulation_steps
 
 
 def epoch_order(n, seed, epoch):
@@ -17,8 +17,9 @@ def epoch_order(n, seed, epoch):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("first,second", [((2, 1, 48), (3, 1, 48)), ((3, 1, 48), (2, 1, 48)), ((4, 1, 48), (1, 1, 48)),
-                                          ((2, 1, 64), (2, 1, 32)), ((2, 2, 64), (1, 1, 24)), ((1, 4, 32), (3, 2, 96)),
+@pytest.mark.parametrize("first,second", [((2, 1, 48), (3, 1, 48)), ((3, 1, 48), (2, 1, 48)),
+                                          ((4, 1, 48), (1, 1, 48)), ((2, 1, 64), (2, 1, 32)),
+                                          ((2, 2, 64), (1, 1, 24)), ((1, 4, 32), (3, 2, 96)),
                                           ((2, 1, 2), (3, 1, 3))])
 def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epoch(first, second):
     """(world size, accumulation steps, global batch) before and after a mid-epoch resume."""
@@ -36,13 +37,15 @@ def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epo
             seen += [i for keys in shards[-1] for e, i in keys if e == 7]
         assert len({len(sh) for sh in shards}) == 1, "every rank takes the same number of steps"
         for k in range(len(shards[0])):  # the micro-batches train_step will split, the short last step's too
-            assert [len(sh[k]) for sh in shards] == [sum(s.step_split(begin + k * batch)[1]) for s in samplers]
+            assert ([len(sh[k]) for sh in shards]
+                    == [sum(s.step_split(begin + k * batch)[1]) for s in samplers])
     # The first run's steps, then the rest of the epoch: every sample exactly once, nothing padded.
     assert sorted(seen) == list(range(n))
 
 
 CASES = [(n, batch, ws, accum, start)
-         for n, batch, ws, accum in itertools.product((1, 7, 64, 129, 601), (4, 12, 48, 64), (1, 2, 3, 4), (1, 2, 4))
+         for n, batch, ws, accum in itertools.product((1, 7, 64, 129, 601), (4, 12, 48, 64), (1, 2, 3, 4),
+                                                      (1, 2, 4))
          if batch % (ws * accum) == 0
          for start in sorted({0, batch, 5 * batch, (n // batch) * batch}) if start < n]
 
@@ -63,7 +66,8 @@ def test_the_sampler_s_keys_per_step_agree_with_step_split_for_every_shape_of_ru
             s.set_epoch(4, start=start)
             per_rank.append(list(s))
         case = (n, batch, ws, accum, start)
-        assert len({len(steps) for steps in per_rank}) == 1 and len(per_rank[0]) == -(-(n - start) // batch), case
+        assert (len({len(steps) for steps in per_rank}) == 1
+                and len(per_rank[0]) == -(-(n - start) // batch)), case
         for k in range(len(per_rank[0])):
             position = start + k * batch
             step = order[position:position + batch]
@@ -97,11 +101,13 @@ def test_a_last_step_that_leaves_a_rank_nothing_still_yields_a_step_on_every_ran
     assert sizes == [[32] * 9 + [1], [32] * 9 + [0]]
 
 
-@pytest.mark.parametrize("step_samples,ws,accum", [(64, 2, 2), (45, 4, 1), (45, 1, 4), (1, 2, 2), (0, 3, 1), (13, 3, 2)])
+@pytest.mark.parametrize("step_samples,ws,accum",
+                         [(64, 2, 2), (45, 4, 1), (45, 1, 4), (1, 2, 2), (0, 3, 1), (13, 3, 2)])
 def test_deal_step_splits_a_step_over_virtual_ranks_evenly_and_without_overlap(step_samples, ws, accum):
     """Virtual rank r + k x W takes every (W x A)-th position from r + k x W: together they cover the step
     once, and no two micro-batches differ by more than one sample."""
-    ranges = {(r, k): micro for r in range(ws) for k, micro in enumerate(deal_step(step_samples, r, ws, accum))}
+    ranges = {(r, k): micro
+              for r in range(ws) for k, micro in enumerate(deal_step(step_samples, r, ws, accum))}
     positions = sorted(p for micro in ranges.values() for p in micro)
     assert positions == list(range(step_samples))
     sizes = [len(m) for m in ranges.values()]
@@ -110,9 +116,10 @@ def test_deal_step_splits_a_step_over_virtual_ranks_evenly_and_without_overlap(s
         assert list(micro) == list(range(r + k * ws, step_samples, ws * accum))
 
 
-@pytest.mark.parametrize("per_rank,micro,steps", [(32, 64, 1), (32, 32, 1), (32, 16, 2), (24, 10, 3), (24, 7, 4),
-                                                  (30, 4, 10), (7, 3, 7), (32, None, 1)])
-def test_accumulation_steps_are_the_fewest_that_split_the_rank_batch_into_equal_micro_batches(per_rank, micro, steps):
+@pytest.mark.parametrize("per_rank,micro,steps", [(32, 64, 1), (32, 32, 1), (32, 16, 2), (24, 10, 3),
+                                                  (24, 7, 4), (30, 4, 10), (7, 3, 7), (32, None, 1)])
+def test_accumulation_steps_are_the_fewest_that_split_the_rank_batch_into_equal_micro_batches(
+        per_rank, micro, steps):
     assert accumulation_steps(per_rank, micro) == steps
     assert per_rank % steps == 0 and (micro is None or per_rank // steps <= micro)
     # The fewest: no smaller count splits the rank's batch equally under the cap.

@@ -1,14 +1,15 @@
 """The slow-rank line (machinery.timing.find_slow_rank): a rank is named when its own time per step (all
 but waiting on the others) exceeds the median of the other ranks' by more than 10% (with two ranks, the
-other's), with the phase that makes most of the difference; waiting (sync) never makes a rank slow."""
+other's) and by a second or more over the epoch, with the phase that makes most of the difference; waiting
+(sync) never makes a rank slow."""
 import pytest
 
-from machinery.timing import PHASES, SLOW_RANK_THRESHOLD, find_slow_rank
+from machinery.timing import PHASES, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, find_slow_rank
 
 
-def rank(r, host="node1", **seconds):
+def rank(r, host="node1", steps=400, **seconds):
     split = {f"{p}_s": seconds.get(p, 0.0) for p in PHASES}
-    return {"rank": r, "host": host, "steps": 10, "step_s": sum(split.values()), **split}
+    return {"rank": r, "host": host, "steps": steps, "step_s": sum(split.values()), **split}
 
 
 def test_the_threshold_is_ten_percent():
@@ -22,9 +23,11 @@ def test_balanced_ranks_name_no_one():
 
 def test_a_rank_waiting_for_data_is_named_with_its_host_and_share():
     ranks = [rank(r, data=0.01, compute=0.1, sync=0.05, optimizer=0.01) for r in range(4)]
-    ranks[3] = rank(3, host="node2", data=0.06, compute=0.1, sync=0.0, optimizer=0.01)  # the others wait for it
+    # the others wait for it
+    ranks[3] = rank(3, host="node2", data=0.06, compute=0.1, sync=0.0, optimizer=0.01)
     line = find_slow_rank(ranks)
-    assert line == "rank 3 on node2: 42% slower than the other ranks' median, 35% of its step waiting for data"
+    assert line == ("rank 3 on node2: 42% slower than the other ranks' median, 35% of its step waiting "
+                    "for data")
 
 
 def test_a_rank_slow_in_forward_and_backward_is_named_for_it():
@@ -42,7 +45,16 @@ def test_only_more_than_the_threshold_names_a_rank(extra, named):
 
 def test_with_two_ranks_the_slower_is_compared_with_the_other():
     assert find_slow_rank([rank(0, compute=0.1), rank(1, compute=0.109)]) is None
-    assert find_slow_rank([rank(0, compute=0.1), rank(1, compute=0.113)]).startswith("rank 1 on node1: 13% slower")
+    assert find_slow_rank([rank(0, compute=0.1), rank(1, compute=0.113)]).startswith(
+        "rank 1 on node1: 13% slower")
+
+
+def test_a_short_epoch_whose_slow_rank_costs_less_than_a_second_names_no_one():
+    assert SLOW_RANK_FLOOR_S == 1.0
+    # 13% slower, as on a 1.5-second CPU epoch: 10 steps x 13 ms = 0.13 s lost, nothing to act on.
+    assert find_slow_rank([rank(0, steps=10, compute=0.1), rank(1, steps=10, compute=0.113)]) is None
+    # The same share over 100 steps is 1.3 s an epoch: named.
+    assert find_slow_rank([rank(0, steps=100, compute=0.1), rank(1, steps=100, compute=0.113)]) is not None
 
 
 def test_waiting_on_the_others_never_makes_a_rank_slow_and_one_rank_has_no_peers():
@@ -53,7 +65,27 @@ def test_waiting_on_the_others_never_makes_a_rank_slow_and_one_rank_has_no_peers
 
 def test_the_run_eta_is_the_epochs_left_at_this_session_s_pace_in_plain_units():
     from machinery.records import describe_run_eta
-    assert describe_run_eta(1, 100, 55.0).startswith("Run: 1 of 100 epochs done; about 1 h 31 min left (ends about ")
+    assert describe_run_eta(1, 100, 55.0).startswith("Run: 1 of 100 epochs done; about 1 h 31 min left (ends "
+                                                     "about ")
     assert describe_run_eta(3, 5, 20.0).startswith("Run: 3 of 5 epochs done; about 1 min left")
     assert describe_run_eta(1, 2, 0.4).startswith("Run: 1 of 2 epochs done; about 1 s left")
-    assert describe_run_eta(1, 200, 3600.0).startswith("Run: 1 of 200 epochs done; about 199 h 0 min left (ends about ")
+    assert describe_run_eta(1, 200, 3600.0).startswith("Run: 1 of 200 epochs done; about 199 h 0 min left "
+                                                       "(ends about ")
+
+
+def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_with_its_evaluation(
+        capsys, monkeypatch):
+    import time
+    from machinery.timing import ProgressLines
+    monkeypatch.setenv("RANK", "0")
+    lines = ProgressLines(every=1, epochs=3)
+    lines.start()
+    # 5 s left, then 2 epochs of 10 s
+    lines.show(epoch=1, step=5, steps=10, images=320, loss=1.0, elapsed=5.0)
+    lines.clear()
+    lines.trained_until = time.perf_counter() - 4.0  # its evaluation and checkpoint took 4 s
+    lines.start()
+    lines.show(epoch=2, step=5, steps=10, images=320, loss=1.0, elapsed=5.0)  # 5 + 4, then 1 epoch of 10 + 4
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "  epoch 1 step 5/10 | 64 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 25 s"
+    assert out[-1] == "  epoch 2 step 5/10 | 64 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 23 s"

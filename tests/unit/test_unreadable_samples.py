@@ -6,6 +6,9 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 import dataset_utils as du
+import support
+from machinery import bad_samples
+from machinery import data_checks
 from machinery.errors import UserError
 
 
@@ -23,30 +26,33 @@ class Files(Dataset):
 
 
 def test_an_unreadable_sample_is_named_with_its_file_and_where_it_failed():
-    bad = du.read_sample(Files(), 2, "training", (3, 8, 8))
-    assert isinstance(bad, du.BadSample) and bad.file == "/data/cls/2.png"
-    assert bad.describe().startswith("training sample 2 (/data/cls/2.png): OSError: cannot identify image file (at ")
+    bad = bad_samples.read_sample(Files(), 2, "training", (3, 8, 8))
+    assert isinstance(bad, bad_samples.BadSample) and bad.file == "/data/cls/2.png"
+    assert bad.describe().startswith("training sample 2 (/data/cls/2.png): OSError: cannot identify image "
+                                     "file (at ")
     assert "test_unreadable_samples.py:" in bad.reason
 
 
 def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_subset_names_the_file():
-    bad = du.read_sample(Subset(Files(), [5, 3]), 1, "training", (3, 8, 8))
-    assert bad.file == "/data/cls/3.png" and bad.reason == "an image of 3 x 9 x 8 uint8, not 3 x 8 x 8 uint8 like the first"
+    bad = bad_samples.read_sample(Subset(Files(), [5, 3]), 1, "training", (3, 8, 8))
+    assert (bad.file == "/data/cls/3.png"
+            and bad.reason == "an image of 3 x 9 x 8 uint8, not 3 x 8 x 8 uint8 like the first")
     assert "v2.Resize((8, 8))" in bad.fix
-    assert du.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
+    assert bad_samples.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
 
 
 def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_split_and_never_skipped():
-    kept, held = du.hold_out(Files(), 1)
+    kept, held = data_checks.hold_out(Files(), 1)
     assert held.indices == [2] and kept.indices == [0, 1, 3, 4, 5]  # the fixed permutation holds sample 2 out
-    bad = du.read_sample(held, 0, "validation", (3, 8, 8))
+    bad = bad_samples.read_sample(held, 0, "validation", (3, 8, 8))
     assert (bad.index, bad.file) == (2, "/data/cls/2.png")
     assert bad.describe().startswith("training sample 2 (/data/cls/2.png, held out for validation): OSError")
     with pytest.raises(UserError, match="the validation set is scored whole: --skip-bad-samples skips"):
-        du.check_unreadable([bad], skipped=[], limit=1)
-    other = du.read_sample(kept, 2, "training", (3, 8, 8))  # sample 3, another size, trained on: skipped
+        bad_samples.check_unreadable([bad], skipped=[], limit=1)
+    # sample 3, another size, trained on: skipped
+    other = bad_samples.read_sample(kept, 2, "training", (3, 8, 8))
     skipped = []
-    du.check_unreadable([other], skipped=skipped, limit=1)
+    bad_samples.check_unreadable([other], skipped=skipped, limit=1)
     assert skipped[0].startswith("training sample 3 (/data/cls/3.png): an image of 3 x 9 x 8")
 
 
@@ -57,8 +63,9 @@ def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink()
     images, labels, unreadable = du._collate(dataset.image_shape, [dataset[i] for i in (0, 2, 1, 3, 4, 5)])
     assert images.shape == (4, 3, 8, 8) and [(b.index, b.slot) for b in unreadable] == [(2, 1), (3, 3)]
     sampler.set_epoch(1)
-    assert sampler.step_split(0, skipped=unreadable) == (24, [2, 4, 4])  # slots 1 and 3: both in micro-batch 0
-    gaps = [du.BadSample("training", 9, None, "x", slot=s) for s in (3, 4, 11)]
+    # slots 1 and 3: both in micro-batch 0
+    assert sampler.step_split(0, skipped=unreadable) == (24, [2, 4, 4])
+    gaps = [bad_samples.BadSample("training", 9, None, "x", slot=s) for s in (3, 4, 11)]
     assert sampler.step_split(0, skipped=gaps) == (24, [3, 3, 3])
 
 
@@ -78,9 +85,9 @@ def test_a_dataset_the_spawned_workers_cannot_take_is_refused_in_one_line_naming
     import pytest
     from machinery.errors import UserError
     data = local_dataset()
-    train, _ = du.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1, eval_batch=4, seed=0,
-                                workers=1, pin_memory=False)
+    train, _ = support.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1,
+                                     eval_batch=4, seed=0, workers=1, pin_memory=False)
     train.batch_sampler.set_epoch(1)
-    with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*top level of "
-                                        r"a module.*--workers 0"):
+    with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*top "
+                                        r"level of a module.*--workers 0"):
         list(train)

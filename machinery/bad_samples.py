@@ -1,0 +1,142 @@
+"""Samples that do not read: a corrupt, empty or missing file, an image of another shape. The loader passes a
+BadSample on in place of the sample, and the ranks agree on them at the training loop's checks
+(check_unreadable): each is named in one line and skipped (--skip-bad-samples), or every rank stops with
+the way out."""
+import os
+import re
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Subset
+
+from machinery.errors import UserError, all_gather
+from machinery.output import log
+
+
+class Share(Subset):
+    """A share of a split load_data returned (hold_out): an unreadable sample in it is named by its index
+    in that split, the one the user knows (BadSample)."""
+
+
+def first_readable(split, name: str, tries: int = 10) -> tuple:
+    """The first sample of a Dataset that reads, and its index: the one its image shape is taken from (an
+    unreadable one is the loader's to skip or stop on: BadSample). UserError if the first `tries` all fail."""
+    for i in range(min(tries, len(split))):
+        try:
+            return split[i], i
+        except Exception as e:  # noqa: BLE001 - any failure to read is said, with where it was raised
+            error = bad_sample(split, i, name, describe_exception(e))
+    raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; "
+                    f"the last: {error.describe()}; {error.fix}")
+
+
+@dataclass(frozen=True)
+class BadSample:
+    """A sample the loader could not take: its split, index, file (where the Dataset knows it) and why, and
+    the way out; `slot`: its place in the rank's batch. The loader passes it on in place of the sample, and
+    the ranks agree on it at their next check (train_utils.check_unreadable): skipped, or the run stops."""
+    split: str
+    index: int
+    file: str | None
+    reason: str
+    fix: str = "fix or remove the file"
+    slot: int = -1
+
+    def describe(self) -> str:
+        split, notes = self.split, [self.file] if self.file else []
+        if split == "validation":  # a training sample that --val-size held out
+            split, notes = "training", notes + ["held out for validation"]
+        where = f" ({', '.join(notes)})" if notes else ""
+        return f"{split} sample {self.index}{where}: {self.reason}"
+
+
+def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
+    """The BadSample for sample `idx` of `data`: named by its index in load_data's split and by its file."""
+    index = idx
+    while isinstance(data, Share):
+        data, index = data.dataset, data.indices[index]
+    file = sample_file(data, index)
+    if file and os.path.basename(file).startswith("._") and not fix:  # a folder unpacked from a Mac's tar
+        fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
+                      f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or read the folder with "
+                      f"dataset_utils.image_folder, which leaves out names that start with '.'"}
+    elif file and os.path.islink(file) and not os.path.exists(file) and not fix:
+        fix = {"fix": f"it is a symbolic link to {os.readlink(file)}, which does not exist: restore that "
+                      f"file, or remove the link"}
+    return BadSample(split, index, file, reason, **fix)
+
+
+def read_sample(data, idx: int, split: str, shape: tuple | None = None):
+    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given, or a BadSample saying why not: any
+    exception in reading it (a corrupt, empty or missing file; named with where it was raised), or an image
+    of another shape or type."""
+    try:
+        image, label = data[idx]
+    except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
+        return bad_sample(data, idx, split, describe_exception(e))
+    if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
+                                  and tuple(image.shape) == shape):
+        got = (" x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
+               if isinstance(image, torch.Tensor) else type(image).__name__)
+        want = " x ".join(map(str, shape))
+        return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first",
+                          fix=f"make every image {want} in load_data (e.g. "
+                              f"transform=v2.Compose([v2.PILToTensor(), "
+                              f"v2.Resize(({shape[1]}, {shape[2]}))]))")
+    return image, label
+
+
+def sample_file(data, idx: int) -> str | None:
+    """The file behind sample `idx`, where the Dataset lists its files (ImageFolder's `samples`), through
+    any Subset; else None."""
+    while isinstance(data, Subset):
+        data, idx = data.dataset, data.indices[idx]
+    samples = getattr(data, "samples", None) or getattr(data, "imgs", None)
+    if isinstance(samples, (list, tuple)) and 0 <= idx < len(samples):
+        entry = samples[idx]
+        return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
+    return None
+
+
+def describe_exception(e: Exception) -> str:
+    """`Type: first line of the message (at file.py:line)`, the line where it was raised."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    # PIL: the path again
+    message = re.sub(r" ?<_io\.\w+ name='[^']*'>", "", str(e).splitlines()[0])[:200] if str(e) else ""
+    return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
+
+
+def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
+    """The ranks agree on the unreadable samples (BadSample) each `found` since the last check: one small
+    all-reduce, and the samples gathered only if there are any. Each is named in the log and its description
+    added to `skipped` (the epoch's so far), up to `limit` in all; past it, or for any test sample (the test
+    set is scored whole), every rank raises UserError naming it and the way out. Empties `found`."""
+    if dist.is_initialized():
+        nccl = dist.get_backend() == "nccl"  # NCCL reduces only CUDA tensors: on this rank's GPU (set_device)
+        count = torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")
+        dist.all_reduce(count)
+    else:
+        count = torch.tensor([len(found)])
+    if not count.item():
+        return
+    new = sorted((bad for mine in all_gather(list(found)) for bad in mine),
+                 key=lambda bad: (bad.split, bad.index))
+    found.clear()
+    first = new[0]
+    if first.split != "training":
+        raise UserError(f"{first.describe()}; {first.fix} (the {first.split} set is scored whole: "
+                        f"--skip-bad-samples skips the samples trained on only)")
+    if not limit:
+        raise UserError(f"{first.describe()}; {first.fix}, or skip such samples with --skip-bad-samples N")
+    over = len(skipped) + len(new) > limit
+    for bad in new:  # each named, those past the limit too
+        skipped.append(bad.describe())
+        log(f"warning: {'unreadable' if over else 'skipped'} {bad.describe()} ({len(skipped)} of at most "
+            f"{limit} this epoch)")
+    if over:
+        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples "
+                        f"{limit}; the log names them), the latest {new[-1].describe()}; {new[-1].fix}, "
+                        f"or raise --skip-bad-samples")

@@ -1,0 +1,139 @@
+"""Image files as users have them, root/<class>/<image>: torchvision's ImageFolder with hidden files left out,
+the classes numbered alike in both splits, and each image read as it looks (EXIF orientation, 16-bit)."""
+import functools
+import os
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+from torchvision.transforms.functional import pil_to_tensor
+
+from machinery.errors import UserError
+from machinery.output import log
+
+
+def folder_classes(root) -> list:
+    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, those that start
+    with "." left out (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the
+    same."""
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot read the image folder {root} ({e.strerror}): --data-dir must hold train/ "
+                        f"and test/, each with one folder of images per class") from None
+    if not names:
+        raise UserError(f"the image folder {root} holds no class folders: it needs one folder of images per "
+                        f"class, {root}/<class>/<image>")
+    return names
+
+
+def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None) -> "ImageFolderSplit":
+    """A split of image files, root/<class>/<image> (PNG, JPEG, ...): ImageFolderSplit. `size`: (height,
+    width), or one number for both, to resize images of other sizes to (photos as they come); None: keep."""
+    return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size)
+
+
+class ImageFolderSplit(ImageFolder):
+    """torchvision's ImageFolder, yielding (uint8 C x H x W tensor, label), for folders as users have them:
+    - names that start with "." are left out, said in one line: a Mac's ._ files (AppleDouble metadata beside
+      each file, which a tar or copy made on a Mac carries), .DS_Store, a notebook's .ipynb_checkpoints;
+    - `classes` (folder_classes of the training folder) numbers the labels, so that a test folder that lacks a
+      class (none of its images yet) shifts no other; a class folder not in it, or one that holds no image,
+      is refused in one line naming it;
+    - each image is read as it looks: turned by its EXIF orientation, 16-bit ones scaled to 8 bits (PIL's
+      convert would clip them white), then converted to `mode`: "RGB" (3 channels) or "L" (1), and resized to
+      `size` if given."""
+
+    def __init__(self, root: str, classes: list | None = None, mode: str = "RGB", size=None):
+        self.given_classes, self.hidden = classes, []
+        size = (size, size) if isinstance(size, int) else size
+        read = functools.partial(read_image, mode=mode, size=size)
+        super().__init__(root, transform=pil_to_tensor, loader=read,
+                         is_valid_file=self.is_visible_image, allow_empty=True)
+        counts = torch.bincount(torch.as_tensor(self.targets, dtype=torch.int64), minlength=len(self.classes))
+        root = self.root  # as torchvision expanded it (~)
+        empty = [c for c, n in zip(self.classes, counts.tolist())
+                 if n == 0 and os.path.isdir(os.path.join(root, c))]
+        # a class folder that exists holds images: else a wrong extension, or no permission to read it
+        if empty:
+            folder = os.path.join(root, empty[0])
+            why = ("cannot be read (permission denied)" if not os.access(folder, os.R_OK | os.X_OK) else
+                   f"holds no image file ({' '.join(IMG_EXTENSIONS)})")
+            more = (f", nor do {', '.join(empty[1:3])}{' ...' if len(empty) > 3 else ''}" if len(empty) > 1
+                    else "")
+            raise UserError(f"the class folder {folder} {why}{more}: give it its images, or remove it (a "
+                            f"class with no test images needs no test folder)")
+        if self.hidden:
+            log(f"{root}: left out {len(self.hidden)} hidden files (names that start with '.', such as "
+                f"{self.hidden[0]}: a Mac's ._ metadata, .DS_Store, .ipynb_checkpoints)")
+
+    def find_classes(self, directory):
+        found = folder_classes(directory)
+        if self.given_classes is None:
+            return found, {c: i for i, c in enumerate(found)}
+        extra = [c for c in found if c not in self.given_classes]
+        if extra:
+            raise UserError(f"{directory} holds the class folder{'s' if len(extra) > 1 else ''} "
+                            f"{', '.join(map(repr, extra[:3]))}, not among the training classes (a typo, a "
+                            f"letter's case?): rename or remove {'them' if len(extra) > 1 else 'it'}")
+        return list(self.given_classes), {c: i for i, c in enumerate(self.given_classes)}
+
+    def is_visible_image(self, path: str) -> bool:
+        relative = os.path.relpath(path, self.root)
+        if any(part.startswith(".") for part in relative.split(os.sep)):
+            self.hidden.append(relative)
+            return False
+        return has_file_allowed_extension(path, IMG_EXTENSIONS)
+
+    def __getstate__(self):  # what the loader workers get: not the list of hidden files
+        return {**self.__dict__, "hidden": []}
+
+
+def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image.Image:
+    """An image file as it looks: turned by its EXIF orientation (as stored if that is malformed); 16 bits per
+    pixel scaled to 8 (PIL's convert would clip them to white), then converted to `mode`, and resized to
+    `size` (height, width) if given and other."""
+    with open(path, "rb") as f:
+        image = Image.open(f)
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception:  # noqa: BLE001 - a malformed EXIF block: the pixels are still good
+            image.load()
+        if image.mode.startswith("I;16") or (image.mode == "I" and image.getextrema()[1] > 255):
+            image = Image.fromarray((np.asarray(image, dtype=np.int64) >> 8).clip(0, 255).astype(np.uint8))
+        image = image.convert(mode)
+        if size is not None and image.size != (size[1], size[0]):  # PIL's size is (width, height)
+            image = image.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+        return image
+
+
+def mean_std(split, samples: int = 2000) -> tuple:
+    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact
+    integer sums over `samples` images spread evenly over it (0: every one), so that every rank gets the same
+    numbers; samples that do not read are left out."""
+    n = len(split)
+    picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
+    total = squares = count = 0
+    for i in picked:
+        try:
+            x = split[i][0].to(torch.int64)
+        except Exception:  # noqa: BLE001 - the loader names unreadable samples when it meets them
+            continue
+        total, squares, count = (total + x.sum(dim=(1, 2)), squares + (x * x).sum(dim=(1, 2)),
+                                 count + x[0].numel())
+    if not count:
+        raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
+                        f"cannot compute their mean and std")
+    return mean_std_of_sums(total, squares, count)
+
+
+def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> tuple:
+    """Per-channel mean and std, as fractions of 255, from the integer sums of uint8 pixels and of their
+    squares over `count` pixels per channel: exact, so the same on every rank whatever its threads."""
+    mean = total.double() / count
+    std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
+    std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+
