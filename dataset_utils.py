@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from machinery.cifar_archive import CIFAR100_FOLDER, fetch_cifar100
 from machinery.bad_samples import BadSample, check_unreadable, first_readable, read_sample
 from machinery.errors import UserError, call_and_agree
-from machinery.image_folders import folder_classes, image_folder, mean_std  # noqa: F401 - the README's
 from machinery.signals import deaf_to_stop_signals, stop_signals_held
 from transforms import Augment, Mix, _signed, crop_flip, crop_flip_batch, crop_padding, mix64, pad_images
 
@@ -147,6 +146,18 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
     if size > 0:  # what the data state of themselves (classes, statistics) stays
         full = replace(full, images=full.images[:size].clone(), labels=full.labels[:size].clone())
     return full
+
+
+IMAGE_FOLDERS = ("image_folder", "folder_classes", "mean_std")  # machinery/image_folders.py's, for load_data
+
+
+def __getattr__(name):
+    """dataset_utils.image_folder, .folder_classes and .mean_std (the README's image folders), imported when
+    first used: they import torchvision, which costs every process and spawned loader worker a second."""
+    if name in IMAGE_FOLDERS:
+        from machinery import image_folders
+        return getattr(image_folders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class EpochSampler:

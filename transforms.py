@@ -14,7 +14,6 @@ import math
 
 import numpy as np
 import torch
-import torchvision.transforms.v2.functional as TF
 
 _M64 = (1 << 64) - 1
 _C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
@@ -216,6 +215,7 @@ def trivial_augment(x: torch.Tensor, h: torch.Tensor, tables: dict) -> torch.Ten
     stretched = torch.where(high > low, (xi - low) * 255 // (high - low).clamp(min=1), xi)
     xi = torch.where(pick("autocontrast"), stretched, xi)
     x = xi.to(torch.uint8)
+    import torchvision.transforms.v2.functional as TF  # here: torchvision's import costs every process a second
     return torch.where(pick("equalize"), TF.equalize(x), x)
 
 

@@ -12,7 +12,6 @@ from dataset_utils import DataSpec, ImageData, data_device
 from machinery.bad_samples import BadSample, Share, first_readable, read_sample
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, call_and_agree
-from machinery.image_folders import mean_std_of_sums
 
 
 def measure_data(train, test) -> DataSpec:
@@ -228,3 +227,13 @@ def fingerprint(data) -> str:
             else:
                 h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
     return f"{len(data)}:{h.hexdigest()}"
+
+
+def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> tuple:
+    """Per-channel mean and std, as fractions of 255, from the integer sums of uint8 pixels and of their
+    squares over `count` pixels per channel: exact, so the same on every rank whatever its threads."""
+    mean = total.double() / count
+    std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
+    std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone
+    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
+

@@ -10,6 +10,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.functional import pil_to_tensor
 
+from machinery.data_checks import mean_std_of_sums
 from machinery.errors import UserError
 from machinery.output import log
 
@@ -127,13 +128,3 @@ def mean_std(split, samples: int = 2000) -> tuple:
         raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
                         f"cannot compute their mean and std")
     return mean_std_of_sums(total, squares, count)
-
-
-def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> tuple:
-    """Per-channel mean and std, as fractions of 255, from the integer sums of uint8 pixels and of their
-    squares over `count` pixels per channel: exact, so the same on every rank whatever its threads."""
-    mean = total.double() / count
-    std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
-    std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone
-    return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
-

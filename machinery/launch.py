@@ -62,6 +62,11 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     """Join the launcher's process group: this process's rank and world size (srun's tasks adopt
     torchrun's variables first), its device (`device`: auto, cuda or cpu), and the group: NCCL with one
     GPU per LOCAL_RANK on CUDA, gloo on CPU. No group for a single plain process. Returns who this is."""
+    # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
+    # threads started, it aborts the process at its exit now and then ("terminate called without an active
+    # exception"). So import it first; here, not at the top of a module, since the spawned loader workers
+    # import the modules and never need it (a second each).
+    import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
     env = read_dist_env()

@@ -25,10 +25,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TINY = ["--depth", "10", "--widen-factor", "1", "--workers", "0", "--timeout", "120"]
 
 # The run the resume and fault tests stop, kill or corrupt (and conftest's `uninterrupted` runs whole):
-# 640 samples / 32 = 20 steps per epoch, a checkpoint every 4; dropout and a loader worker, so that
-# the RNG and loader states matter.
+# 640 samples / 32 = 20 steps per epoch, a checkpoint every 4; dropout, so that the RNG state matters. No
+# loader workers (4 spawned processes add 4 s to a 2-rank launch): the tests whose point they are give
+# --workers 1 or 2 (e2e/test_stop_signals.py: stopped mid-epoch, they end with this run's weights).
 CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32,
-            "--epochs", 2, "--dropout", 0.1, *TINY, "--workers", 1, "--checkpoint-every", 4]
+            "--epochs", 2, "--dropout", 0.1, *TINY, "--checkpoint-every", 4]
 
 # The accumulation runs (conftest's `accumulation_run`): 4 virtual ranks of 16, so 5 steps of 64 and a
 # short one of 45 (micro-batches of 12, 11, 11, 11) per epoch; BatchNorm in train mode, no dropout.
@@ -57,6 +58,39 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def run_in_process(args, env=None) -> subprocess.CompletedProcess:
+    """`python train_ddp.py args` called in this process, as that command runs it (run_cli: the flags, main,
+    the exit status), from the project directory: for runs refused before training starts, where a fresh
+    interpreter (seconds of imports) proves nothing more. Returns what launch() returns (returncode,
+    stdout, stderr)."""
+    import contextlib
+    import faulthandler
+    import tempfile
+
+    import train_ddp
+    from machinery.cli import run_cli
+    argv = [str(a) for a in args]
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(env or {})
+    os.chdir(ROOT)
+    # files, not StringIO: run_cli hands stderr's file descriptor to faulthandler
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        try:
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                try:
+                    status = run_cli(train_ddp.main, train_ddp.get_args_parser(), train_ddp.RECIPES, argv=argv)
+                except SystemExit as e:  # argparse's refusals
+                    status = e.code if isinstance(e.code, int) else 1
+        finally:
+            faulthandler.unregister(signal.SIGUSR2)  # run_cli's, on a file about to close
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(["train_ddp.py", *argv], status, stdout.read(), stderr.read())
 
 
 def threads_per_rank(nproc: int) -> str:

@@ -1,14 +1,15 @@
 """Each bad input: one clear line naming the fix, a non-zero exit, no traceback, nothing overwritten:
 bad flags, a batch the world size does not divide, missing or corrupt data, an unwritable out-dir, and
 checkpoints that cannot be continued (corrupt, of another model, from another device type, from an
-older train_ddp.py)."""
+older train_ddp.py). The refusals of one plain process run in this process (support.run_in_process: the
+entry point without a fresh interpreter); those of several ranks through torchrun."""
 import hashlib
 import os
 
 import pytest
 import torch
 
-from support import ACCUM_RUN, TINY, launch, write_cifar100
+from support import ACCUM_RUN, TINY, launch, run_in_process, write_cifar100
 
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
          "--epochs", 1, *TINY]
@@ -25,7 +26,7 @@ def snapshot(d):
 def finished_run(tmp_path_factory):
     """A good run whose out-dir the bad runs point at: none of them may change it."""
     out = tmp_path_factory.mktemp("good") / "run"
-    launch([*SMALL, "--out-dir", out])
+    launch([*SMALL, "--out-dir", out], torchrun=False)
     return out
 
 
@@ -49,7 +50,7 @@ def assert_refused(proc, expected, torchrun=False):
 ])
 def test_bad_arguments_are_refused_in_one_line(finished_run, args, expected):
     before = snapshot(finished_run)
-    assert_refused(launch([*SMALL, "--out-dir", finished_run, *args], torchrun=False, check=False), expected)
+    assert_refused(run_in_process([*SMALL, "--out-dir", finished_run, *args]), expected)
     assert snapshot(finished_run) == before
 
 
@@ -74,7 +75,7 @@ def test_missing_data_offline_is_refused_naming_the_archive_to_place(tmp_path):
 def test_corrupt_archive_is_refused_and_nothing_extracted(tmp_path):
     write_cifar100(str(tmp_path), 20, 10)  # its md5 is not the official one
     out = tmp_path / "run"
-    proc = launch(["--data-dir", tmp_path, "--out-dir", out, *TINY], torchrun=False, env=OFFLINE, check=False)
+    proc = run_in_process(["--data-dir", tmp_path, "--out-dir", out, *TINY], env=OFFLINE)
     assert_refused(proc, "cifar-100-python.tar.gz fails its md5 check")
     assert os.listdir(out) == [] and not (tmp_path / "cifar-100-python").exists()
 
@@ -91,7 +92,7 @@ def test_checkpoint_of_another_model_is_refused_under_torchrun(finished_run):
 def test_unwritable_out_dir_is_refused(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    proc = launch([*SMALL, "--out-dir", blocker / "run"], torchrun=False, check=False)
+    proc = run_in_process([*SMALL, "--out-dir", blocker / "run"])
     assert_refused(proc, f"--out-dir {blocker / 'run'} is not writable")
     assert blocker.read_text() == "not a directory"
 
@@ -101,7 +102,7 @@ def test_corrupt_checkpoint_is_refused_not_overwritten(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"garbage")
-    proc = launch([*SMALL, "--out-dir", out], torchrun=False, check=False)
+    proc = run_in_process([*SMALL, "--out-dir", out])
     assert_refused(proc, f"no usable checkpoint in {out}: {out / 'checkpoint.pt'} cannot be loaded")
     assert (out / "checkpoint.pt").read_bytes() == b"garbage"
 
@@ -113,7 +114,7 @@ def test_checkpoint_from_another_device_type_is_refused(tmp_path, finished_run):
     ckpt["config"]["device_type"] = "cuda"  # as if trained on GPUs; this run is on CPU
     torch.save(ckpt, out / "checkpoint.pt")
     before = snapshot(out)
-    proc = launch([*SMALL, "--epochs", 2, "--out-dir", out], torchrun=False, check=False)
+    proc = run_in_process([*SMALL, "--epochs", 2, "--out-dir", out])
     assert_refused(proc, f"{out / 'checkpoint.pt'} was trained on cuda, and this run is on cpu: "
                          f"resume with --device cuda, or train afresh in another --out-dir")
     assert snapshot(out) == before
@@ -129,7 +130,7 @@ def test_checkpoint_of_an_older_version_is_refused_in_one_line(tmp_path, finishe
     torch.save(ckpt, out / "checkpoint.pt")
     before = snapshot(out)
     for extra in ([], ["--evaluate"]):
-        proc = launch([*SMALL, "--epochs", 2, "--out-dir", out, *extra], torchrun=False, check=False)
+        proc = run_in_process([*SMALL, "--epochs", 2, "--out-dir", out, *extra])
         assert_refused(proc, f"{out / 'checkpoint.pt'} was written by an older train_ddp.py")
     assert snapshot(out) == before
 
@@ -140,5 +141,5 @@ def test_checkpoint_of_an_older_version_is_refused_in_one_line(tmp_path, finishe
     (["--sync-bn"], "--sync-bn needs CUDA GPUs"),
 ])
 def test_bad_micro_batch_or_sync_bn_on_cpu_is_refused(tmp_path, flags, says):
-    proc = launch([*ACCUM_RUN, "--out-dir", tmp_path / "run", *flags], torchrun=False, check=False)
+    proc = run_in_process([*ACCUM_RUN, "--out-dir", tmp_path / "run", *flags])
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from model import WideResNet
-from support import SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl, write_cifar100
+from support import (SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process,
+                     write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -90,7 +91,7 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     # change it.
     launch(["--evaluate", "--out-dir", out, "--test-size", 5], torchrun=False)
     assert read_json(out / "eval.json")["val_count"] == 5
-    refused = launch([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5], torchrun=False, check=False)
+    refused = run_in_process([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5])
     assert (refused.returncode != 0
             and "--test-size 5 differs from the 2 of the checkpoint" in refused.stdout + refused.stderr)
     assert "which trained on other data: use another --out-dir" in refused.stderr

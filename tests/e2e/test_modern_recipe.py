@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch, load_model_state,
-                     read_json, read_jsonl)
+                     read_json, read_jsonl, run_in_process)
 
 # 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check
 # (step 10).
@@ -71,6 +71,23 @@ def two_by_two(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    """RUN for 2 epochs on 2 ranks with the weight EMA (decay 0.9), and its output: scored, saved, evaluated,
+    and the file --init-from starts from."""
+    out = tmp_path_factory.mktemp("ema") / "run"
+    proc = launch([*RUN, "--epochs", 2, "--model-ema", "--model-ema-decay", 0.9, "--out-dir", out], nproc=2)
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The same run without the EMA (nor any other option): the original script's records."""
+    out = tmp_path_factory.mktemp("plain") / "run"
+    launch([*RUN, "--epochs", 2, "--out-dir", out], nproc=2)
+    return out
+
+
 @pytest.mark.parametrize("name", OPTIONS)
 def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, two_by_two, tmp_path):
     reference, flags = two_by_two(name)
@@ -102,10 +119,9 @@ def test_each_option_trains_the_same_on_2_ranks_x_2_micro_steps_as_on_1_x_4(name
     assert m2[0]["val_loss"] == pytest.approx(m1[0]["val_loss"], rel=1e-4)
 
 
-def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(tmp_path):
-    out = tmp_path / "run"
-    proc = launch([*RUN, "--epochs", 2, "--model-ema", "--model-ema-decay", 0.9, "--out-dir", out], nproc=2)
-    assert proc.stdout.count("(scores of the weight EMA, --model-ema)") == 2
+def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(ema_run, plain_run):
+    out, stdout = ema_run
+    assert stdout.count("(scores of the weight EMA, --model-ema)") == 2
     ckpt = load_model_state(out)
     assert int(ckpt["model_ema"]["n_averaged"]) == 40  # 20 steps x 2 epochs, on every rank alike
     ema = {k.removeprefix("module."): v for k, v in ckpt["model_ema"].items() if k != "n_averaged"}
@@ -119,16 +135,16 @@ def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(
     assert scored["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-9)
     # The EMA does not change training: the same run without it trains the same weights, and they score
     # otherwise.
-    launch([*RUN, "--epochs", 2, "--out-dir", tmp_path / "raw"], nproc=2)
-    assert torch.equal(load_model_state(tmp_path / "raw")["model"]["fc.weight"], ckpt["model"]["fc.weight"])
-    assert (read_jsonl(tmp_path / "raw" / "metrics.jsonl")[-1]["val_loss"]
+    assert torch.equal(load_model_state(plain_run)["model"]["fc.weight"], ckpt["model"]["fc.weight"])
+    assert (read_jsonl(plain_run / "metrics.jsonl")[-1]["val_loss"]
             != pytest.approx(metrics[-1]["val_loss"]))
 
 
 def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path):
     plain = [*RUN, "--weight-decay", 0, "--momentum", 0, "--warmup-epochs", 0, "--lr-schedule", "constant"]
     launch([*plain, "--clip-grad-norm", 1e-6, "--out-dir", tmp_path / "tiny"], torchrun=False)
-    launch([*plain, "--out-dir", tmp_path / "free"], torchrun=False)
+    # a bound no gradient reaches: the updates unclipped, and the norm reported
+    launch([*plain, "--clip-grad-norm", 1e9, "--out-dir", tmp_path / "free"], torchrun=False)
     torch.manual_seed(0)  # build_training's initial weights
     from model import WideResNet
     start = WideResNet(10, 1, num_classes=100, in_channels=3).state_dict()
@@ -140,10 +156,9 @@ def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path)
     moved = max((t - start[n]).abs().max() for n, t in load_model_state(tmp_path / "free")["model"].items()
                 if n.endswith(("weight", "bias")))
     assert moved > 1e-3
-    norms = {}
-    for amp in ("off", "fp16"):
-        launch([*RUN, "--clip-grad-norm", 1e9, "--amp", amp, "--out-dir", tmp_path / amp], torchrun=False)
-        norms[amp] = read_jsonl(tmp_path / amp / "metrics.jsonl")[0]
+    launch([*plain, "--clip-grad-norm", 1e9, "--amp", "fp16", "--out-dir", tmp_path / "fp16"], torchrun=False)
+    norms = {amp: read_jsonl(tmp_path / folder / "metrics.jsonl")[0] for amp, folder in (("off", "free"),
+                                                                                         ("fp16", "fp16"))}
     assert norms["off"]["grad_norm"] > 0 and norms["off"]["nonfinite_grad_steps"] == 0
     # fp16's gradients are scaled by 2^16 or so until unscaled: the same norm only if clipping unscales first.
     assert norms["fp16"]["grad_norm"] == pytest.approx(norms["off"]["grad_norm"], rel=0.2)
@@ -168,26 +183,23 @@ def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(t
     assert summary["best_val_acc"] == max(accs)
     # Early stopping follows the validation split: a target it reaches at epoch 1 ends the run there.
     early = launch([*RUN, "--epochs", 3, "--val-size", 64, "--target-accuracy", 0.0, "--patience", 1,
-                    "--out-dir", tmp_path / "early"], nproc=2)
+                    "--out-dir", tmp_path / "early"], torchrun=False)
     assert "Early stopping after epoch 1" in early.stdout
 
 
-def test_without_val_size_the_test_set_is_the_original_script_s_validation(tmp_path):
-    launch([*RUN, "--out-dir", tmp_path / "run"], nproc=2)
-    metrics, summary = (read_jsonl(tmp_path / "run" / "metrics.jsonl"),
-                        read_json(tmp_path / "run" / "summary.json"))
+def test_without_val_size_the_test_set_is_the_original_script_s_validation(plain_run):
+    metrics, summary = read_jsonl(plain_run / "metrics.jsonl"), read_json(plain_run / "summary.json")
     assert "test_acc" not in metrics[0] and metrics[0]["val_count"] == 64
     assert summary["final_test_acc"] == summary["final_val_acc"] == metrics[-1]["val_acc"]
-    assert not (tmp_path / "run" / "best.pt").exists()
+    assert not (plain_run / "best.pt").exists()
 
 
-def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_path):
-    first = tmp_path / "first"
-    launch([*RUN, "--model-ema", "--out-dir", first], nproc=2)
+def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_path, ema_run):
+    first, _ = ema_run
     # training that leaves the weights where they start
     still = [*RUN, "--base-lr", 1e-12, "--weight-decay", 0]
     second = launch([*still, "--init-from", first / "checkpoint.pt", "--out-dir", tmp_path / "second"],
-                    nproc=2)
+                    torchrun=False)
     assert f"Initialised from the weight EMA in {first}/checkpoint.pt" in second.stdout
     ema = {k.removeprefix("module."): v for k, v in load_model_state(first)["model_ema"].items()
            if k != "n_averaged"}
@@ -195,8 +207,7 @@ def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_
         if name.endswith(("weight", "bias")) and "running" not in name:
             assert torch.allclose(tensor, ema[name], atol=1e-9), name
     torch.save({"conv1.weight": torch.zeros(16, 1, 3, 3)}, tmp_path / "gray.pt")
-    refused = launch([*RUN, "--init-from", tmp_path / "gray.pt", "--out-dir", tmp_path / "third"], nproc=2,
-                     check=False)
+    refused = run_in_process([*RUN, "--init-from", tmp_path / "gray.pt", "--out-dir", tmp_path / "third"])
     assert refused.returncode != 0
     assert_one_line(refused.stderr,
                     "--init-from", "gray.pt: layer conv1.weight is (16, 1, 3, 3), the model's (16, 3, 3, 3)")
@@ -205,16 +216,17 @@ def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_
 
 def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_otherwise_goes_on(tmp_path):
     out = tmp_path / "run"
-    launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out], nproc=2)
+    launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out],
+           torchrun=False)
     before = load_model_state(out)
     for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
                          (["--mixup-alpha", 0.2, "--model-ema"],
                           "--model-ema True differs from the False the checkpoint"),
                          (["--mixup-alpha", 0.2, "--val-size", 64], "--val-size 64 differs from the 0")):
-        proc = launch([*RUN, "--epochs", 2, *change, "--out-dir", out], nproc=2, check=False)
+        proc = run_in_process([*RUN, "--epochs", 2, *change, "--out-dir", out])
         assert proc.returncode != 0
         assert_one_line(proc.stderr, says)
         assert_same_state(load_model_state(out), before)  # the checkpoint kept
-    resumed = launch([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out], nproc=2)
+    resumed = launch([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out], torchrun=False)
     assert ("resumed with changes: --tta False -> True" not in resumed.stdout
             and "Epoch 2/2 completed" in resumed.stdout)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from support import (ACCUM_RUN, CKPT_RUN, TIMING_METRICS, TINY, assert_close_models, assert_same_weights,
-                     launch, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl, start, text,
-                     wait_for, write_cifar100)
+                     launch, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl,
+                     run_in_process, start, text, wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
@@ -194,7 +194,7 @@ def test_a_run_on_other_data_or_another_model_is_refused_and_the_checkpoint_kept
         args[args.index("--data-dir") + 1] = base / "b"
     else:
         args += change
-    proc = launch(args, torchrun=False, check=False)
+    proc = run_in_process(args)  # refused before training: no fresh interpreter needed
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and says in err[0] and "another --out-dir" in err[0], proc.stderr

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from model import WideResNet
-from support import ROOT, TINY, launch, load_model_state, read_json, read_jsonl
+from support import ROOT, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -127,7 +127,7 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
                      "log_every": 0}
 
     before = (out / "checkpoint.pt").stat().st_mtime_ns
-    again = launch(run, torchrun=False)
+    again = run_in_process(run)  # nothing trained: no fresh interpreter needed
     assert again.stdout.strip() == (f"{out}/checkpoint.pt holds a run trained for 2 epochs; final validation "
                                     f"accuracy {summary['final_val_acc']:.4f}, best "
                                     f"{summary['best_val_acc']:.4f}: nothing to train; --epochs N "
@@ -138,7 +138,7 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     for changed, says in ((["--epochs", 1], "error: --epochs 1 leaves nothing to train: "),
                           (["--batch-size", 64], "this command changes it (resumed with changes: "
                                                  "--batch-size 32 -> 64) but trains nothing")):
-        refused = launch([*run, *changed], torchrun=False, check=False)
+        refused = run_in_process([*run, *changed])
         errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
         assert refused.returncode == 2 and len(errors) == 1 and says in errors[0], refused.stderr
         assert f"{out}/checkpoint.pt holds a run trained for 2 epochs" in errors[0]

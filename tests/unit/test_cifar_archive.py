@@ -12,6 +12,27 @@ from support import write_cifar100
 from machinery.errors import UserError
 
 
+def test_the_archive_s_name_md5_and_folder_are_torchvision_s(monkeypatch):
+    """cifar_archive states the official archive's facts itself (torchvision's import costs a second):
+    they are the ones torchvision's CIFAR100 downloads and verifies."""
+    from torchvision.datasets import CIFAR100
+    assert (cifar_archive.CIFAR100_ARCHIVE, cifar_archive.CIFAR100_MD5, cifar_archive.CIFAR100_FOLDER) == (
+        CIFAR100.filename, CIFAR100.tgz_md5, CIFAR100.base_folder)
+    if "CIFAR100_URL" not in os.environ:
+        assert cifar_archive.CIFAR100_URL == CIFAR100.url
+
+
+def test_the_project_s_modules_import_no_torchvision():
+    """train_ddp.py and its modules leave torchvision (and the torch._dynamo it imports) to the paths that
+    use it: each process and spawned loader worker starts a second sooner."""
+    import subprocess
+    import sys
+    probe = "import sys, train_ddp; print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(os.path.abspath(du.__file__)),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch):
     md5 = write_cifar100(str(tmp_path), 250, 120, seed=3)
     # Read back what was written, independently of the code under test.
@@ -31,8 +52,10 @@ def test_reads_a_generated_archive_in_the_official_format(tmp_path, monkeypatch)
     # A second call finds the extracted files and does nothing: no md5 check, no extraction, no download.
     def untouched(*args, **kwargs):
         raise AssertionError("prepare_cifar100 touched the archive again")
-    for name in ("check_integrity", "extract_archive", "_download"):
-        monkeypatch.setattr(cifar_archive, name, untouched)
+    import torchvision.datasets.utils as tv_utils  # where fetch_cifar100 imports its helpers from
+    for module, name in ((tv_utils, "check_integrity"), (tv_utils, "extract_archive"),
+                         (cifar_archive, "_download")):
+        monkeypatch.setattr(module, name, untouched)
     du.prepare_cifar100(str(tmp_path))
 
 

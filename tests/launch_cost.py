@@ -1,0 +1,68 @@
+"""Where a tiny test launch's seconds go: `python tests/launch_cost.py [--repeats 3]` times, from the
+project directory, each layer a test's launch adds (the interpreter, torch's import, the project's modules,
+the run under plain python, under torchrun on 2 ranks, one more epoch, spawned loader workers), median of
+the repeats, one layer per line. Not a test: a measurement for tests/README.md; it asserts nothing."""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+# The suite's tiny run (support.TINY on generated data): 128 images in steps of 32, 64 scored.
+RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-size", "64", "--batch-size",
+       "32", "--depth", "10", "--widen-factor", "1", "--timeout", "120", "--device", "cpu", "--log-every", "0"]
+
+
+def seconds(cmd, repeats):
+    """The median wall time of `cmd` run from the project directory, each in a fresh out-dir, with the
+    threads per rank the suite's launches give (support.threads_per_rank)."""
+    ranks = 2 if "--nproc_per_node=2" in cmd else 1
+    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    times = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as out:
+            full = [a.replace("OUT", out) for a in cmd]
+            start = time.perf_counter()
+            proc = subprocess.run(full, cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": threads})
+            if proc.returncode != 0:
+                sys.exit(f"{' '.join(full)} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each command; the median is shown")
+    n = parser.parse_args().repeats
+    py = [sys.executable]
+
+    def run(epochs=1, workers=0):
+        return [*RUN, "--epochs", str(epochs), "--workers", str(workers), "--out-dir", "OUT"]
+    two = [*TORCHRUN, "--nproc_per_node=2"]
+    # (what, command, the line it adds to)
+    layers = [
+        ("the interpreter", [*py, "-c", "pass"], None),
+        ("import torch", [*py, "-c", "import torch"], "the interpreter"),
+        ("import train_ddp (the project's modules)", [*py, "-c", "import train_ddp"], "import torch"),
+        ("1 epoch under plain python", [*py, *run()], "import train_ddp (the project's modules)"),
+        ("1 epoch under torchrun, 2 ranks", [*two, *run()], "1 epoch under plain python"),
+        ("2 epochs under torchrun, 2 ranks", [*two, *run(epochs=2)],
+         "1 epoch under torchrun, 2 ranks"),
+        ("1 epoch, 2 ranks, a spawned loader worker per loader", [*two, *run(workers=1)],
+         "1 epoch under torchrun, 2 ranks"),
+    ]
+    measured = {}
+    print(f"{os.cpu_count()} CPUs, median of {n} runs, seconds (+ what the line adds to the one named)")
+    for name, cmd, base in layers:
+        measured[name] = seconds(cmd, n)
+        added = f"  (+{measured[name] - measured[base]:.2f} on '{base}')" if base else ""
+        print(f"{measured[name]:7.2f}  {name}{added}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
