@@ -95,8 +95,11 @@ def run_in_process(args, env=None) -> subprocess.CompletedProcess:
 
 def threads_per_rank(nproc: int) -> str:
     """The thread count every launched run gets (launch and start alike), whatever the caller's environment:
-    runs whose numbers are compared must sum in the same order."""
-    return str(max(1, (os.cpu_count() or 1) // nproc))
+    runs whose numbers are compared must sum in the same order. Each rank's share of the CPUs, which the
+    other pytest-xdist workers' runs share too: more threads than cores make OpenMP's waiting threads spin
+    against each other (single-process runs took 3 to 7 times as long, measured)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return str(max(1, (os.cpu_count() or 1) // (nproc * workers)))
 
 
 def job_recipe() -> list:
