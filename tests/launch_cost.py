@@ -13,8 +13,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 # The suite's tiny run (support.TINY on generated data): 128 images in steps of 32, 64 scored.
-RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-size", "64", "--batch-size",
-       "32", "--depth", "10", "--widen-factor", "1", "--timeout", "120", "--device", "cpu", "--log-every", "0"]
+RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-size", "64",
+       "--batch-size", "32", "--depth", "10", "--widen-factor", "1", "--timeout", "120", "--device", "cpu",
+       "--log-every", "0"]
 
 
 def seconds(cmd, repeats):
@@ -30,7 +31,8 @@ def seconds(cmd, repeats):
             proc = subprocess.run(full, cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": threads})
             if proc.returncode != 0:
-                sys.exit(f"{' '.join(full)} exited {proc.returncode}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+                sys.exit(f"{' '.join(full)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
+                         f"{proc.stderr[-2000:]}")
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -80,7 +80,8 @@ def run_in_process(args, env=None) -> subprocess.CompletedProcess:
         try:
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                 try:
-                    status = run_cli(train_ddp.main, train_ddp.get_args_parser(), train_ddp.RECIPES, argv=argv)
+                    status = run_cli(train_ddp.main, train_ddp.get_args_parser(), train_ddp.RECIPES,
+                                     argv=argv)
                 except SystemExit as e:  # argparse's refusals
                     status = e.code if isinstance(e.code, int) else 1
         finally:

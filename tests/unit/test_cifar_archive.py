@@ -12,7 +12,7 @@ from support import write_cifar100
 from machinery.errors import UserError
 
 
-def test_the_archive_s_name_md5_and_folder_are_torchvision_s(monkeypatch):
+def test_the_archive_s_name_md5_and_folder_are_torchvision_s():
     """cifar_archive states the official archive's facts itself (torchvision's import costs a second):
     they are the ones torchvision's CIFAR100 downloads and verifies."""
     from torchvision.datasets import CIFAR100
