@@ -148,13 +148,10 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
     return full
 
 
-IMAGE_FOLDERS = ("image_folder", "folder_classes", "mean_std")  # machinery/image_folders.py's, for load_data
-
-
 def __getattr__(name):
-    """dataset_utils.image_folder, .folder_classes and .mean_std (the README's image folders), imported when
-    first used: they import torchvision, which costs every process and spawned loader worker a second."""
-    if name in IMAGE_FOLDERS:
+    """dataset_utils.image_folder, .folder_classes and .mean_std (machinery/image_folders.py's, for the
+    README's load_data), imported when first used: torchvision's import costs every process a second."""
+    if name in ("image_folder", "folder_classes", "mean_std"):
         from machinery import image_folders
         return getattr(image_folders, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
