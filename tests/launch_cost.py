@@ -10,19 +10,17 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+from support import ROOT, TINY, TORCHRUN, threads_per_rank
+
 # The suite's tiny run (support.TINY on generated data): 128 images in steps of 32, 64 scored.
 RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-size", "64",
-       "--batch-size", "32", "--depth", "10", "--widen-factor", "1", "--timeout", "120", "--device", "cpu",
-       "--log-every", "0"]
+       "--batch-size", "32", *TINY, "--device", "cpu", "--log-every", "0"]
 
 
 def seconds(cmd, repeats):
     """The median wall time of `cmd` run from the project directory, each in a fresh out-dir, with the
     threads per rank the suite's launches give (support.threads_per_rank)."""
-    ranks = 2 if "--nproc_per_node=2" in cmd else 1
-    threads = str(max(1, (os.cpu_count() or 1) // ranks))
+    threads = threads_per_rank(2 if "--nproc_per_node=2" in cmd else 1)
     times = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as out:
@@ -45,7 +43,7 @@ def main():
 
     def run(epochs=1, workers=0):
         return [*RUN, "--epochs", str(epochs), "--workers", str(workers), "--out-dir", "OUT"]
-    two = [*TORCHRUN, "--nproc_per_node=2"]
+    two = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
     # (what, command, the line it adds to)
     layers = [
         ("the interpreter", [*py, "-c", "pass"], None),

@@ -8,7 +8,7 @@ import torch
 
 import dataset_utils as du
 from machinery import cifar_archive
-from support import write_cifar100
+from support import ROOT, write_cifar100
 from machinery.errors import UserError
 
 
@@ -28,7 +28,7 @@ def test_the_project_s_modules_import_no_torchvision():
     import subprocess
     import sys
     probe = "import sys, train_ddp; print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}))"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(os.path.abspath(du.__file__)),
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
