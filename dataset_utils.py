@@ -328,12 +328,12 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
-    """Both loaders' options. The workers are spawned, not forked: a fork while the process group's threads
-    run can hang the child (seen in CI), so a Dataset must be defined at a module's top level."""
+    """Both loaders' options. A fork of a rank while its process group's threads run can hang the child, so a
+    forkserver (a fresh process, the script imported once) forks the workers; a Dataset must be top-level."""
     return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
                 generator=torch.Generator().manual_seed(seed),
                 worker_init_fn=deaf_to_stop_signals if workers else None,
-                multiprocessing_context="spawn" if workers else None)
+                multiprocessing_context="forkserver" if workers else None)
 
 
 class AgreedLoader:

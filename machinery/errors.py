@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import time
 
@@ -62,6 +63,10 @@ def leave_on_user_error(e: UserError) -> int:
     log(f"error: {e}", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
+        # Every rank is leaving with this status now. The first one out makes the launcher (srun
+        # --kill-on-bad-exit, torchrun) SIGTERM the others, which would turn their agreed status into
+        # "Terminated" (143, and the job's status with it): they finish leaving instead.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     elif not is_main_process():
         time.sleep(5)
     return e.exit_status

@@ -128,8 +128,9 @@ def stop_signals_held():
         atexit.register(end_workers_at_exit)  # after multiprocessing's own exit handler, so it runs before it
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        # The first spawn starts multiprocessing's resource tracker, whose start unblocks SIGINT and SIGTERM
-        # in this thread on its way out: start it first (born holding SIGUSR1 too), then hold them again.
+        # The first worker (its forkserver) starts multiprocessing's resource tracker, whose start unblocks
+        # SIGINT and SIGTERM in this thread on its way out: start it first (born holding SIGUSR1 too), then
+        # hold them again. The forkserver is born holding them, and so is every worker it forks.
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
@@ -167,7 +168,7 @@ def deaf_to_stop_signals(worker_id: int = 0) -> None:
 
 
 def quiet_resource_tracker() -> None:
-    """The DataLoader workers are spawned, which starts multiprocessing's resource tracker. After an exit at
+    """The DataLoader workers' forkserver starts multiprocessing's resource tracker. After an exit at
     once (a stop signal in a tool, a second Ctrl-C in training) it removes the semaphores the loader's queues
     leave, and warns about them after this process's last line. Its warning, not its cleanup, is turned off
     here, through the environment it starts with (so before the first worker)."""

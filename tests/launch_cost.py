@@ -1,7 +1,10 @@
 """Where a tiny test launch's seconds go: `python tests/launch_cost.py [--repeats 3]` times, from the
 project directory, each layer a test's launch adds (the interpreter, torch's import, the project's modules,
-the run under plain python, under torchrun on 2 ranks, one more epoch, spawned loader workers), median of
-the repeats, one layer per line. Not a test: a measurement for tests/README.md; it asserts nothing."""
+the run under plain python, under torchrun on 2 ranks, one more epoch, loader workers), median of the
+repeats, one layer per line: wall seconds, and CPU seconds (the machine's busy time during the command, from
+/proc/stat: every process it starts, loader workers whose parent is not the command's included; so run it
+on an idle machine), which is what the suite's two files at a time share. Not a test: a measurement for
+tests/README.md; it asserts nothing."""
 import argparse
 import os
 import statistics
@@ -17,22 +20,30 @@ RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-
        "--batch-size", "32", *TINY, "--device", "cpu", "--log-every", "0"]
 
 
+def busy_seconds() -> float:
+    """The CPU seconds the machine has spent busy (all CPUs, user, system and the rest but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def seconds(cmd, repeats):
-    """The median wall time of `cmd` run from the project directory, each in a fresh out-dir, with the
-    threads per rank the suite's launches give (support.threads_per_rank)."""
+    """The median wall and CPU seconds of `cmd` run from the project directory, each in a fresh out-dir, with
+    the threads per rank the suite's launches give (support.threads_per_rank)."""
     threads = threads_per_rank(2 if "--nproc_per_node=2" in cmd else 1)
-    times = []
+    times, cpus = [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as out:
             full = [a.replace("OUT", out) for a in cmd]
-            start = time.perf_counter()
+            start, busy = time.perf_counter(), busy_seconds()
             proc = subprocess.run(full, cwd=ROOT, capture_output=True, text=True,
                                   env={**os.environ, "OMP_NUM_THREADS": threads})
             if proc.returncode != 0:
                 sys.exit(f"{' '.join(full)} exited {proc.returncode}:\n{proc.stdout[-2000:]}"
                          f"{proc.stderr[-2000:]}")
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            cpus.append(busy_seconds() - busy)
+    return statistics.median(times), statistics.median(cpus)
 
 
 def main():
@@ -53,15 +64,16 @@ def main():
         ("1 epoch under torchrun, 2 ranks", [*two, *run()], "1 epoch under plain python"),
         ("2 epochs under torchrun, 2 ranks", [*two, *run(epochs=2)],
          "1 epoch under torchrun, 2 ranks"),
-        ("1 epoch, 2 ranks, a spawned loader worker per loader", [*two, *run(workers=1)],
+        ("1 epoch, 2 ranks, a loader worker per loader", [*two, *run(workers=1)],
          "1 epoch under torchrun, 2 ranks"),
     ]
     measured = {}
-    print(f"{os.cpu_count()} CPUs, median of {n} runs, seconds (+ what the line adds to the one named)")
+    print(f"{os.cpu_count()} CPUs, median of {n} runs: wall s, CPU s (+ what the line adds to the one named)")
     for name, cmd, base in layers:
-        measured[name] = seconds(cmd, n)
-        added = f"  (+{measured[name] - measured[base]:.2f} on '{base}')" if base else ""
-        print(f"{measured[name]:7.2f}  {name}{added}", flush=True)
+        wall, cpu = measured[name] = seconds(cmd, n)
+        added = (f"  (+{wall - measured[base][0]:.2f}, +{cpu - measured[base][1]:.2f} on '{base}')"
+                 if base else "")
+        print(f"{wall:7.2f} {cpu:7.2f}  {name}{added}", flush=True)
 
 
 if __name__ == "__main__":

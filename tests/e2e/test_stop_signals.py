@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support import (CKPT_RUN, TINY, assert_same_weights, every_process, launch, load_model_state, paused,
-                     start, text, wait_for)
+                     processes, start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -75,16 +75,17 @@ def uninterrupted_one_rank(tmp_path_factory):
     return load_model_state(out)
 
 
-def spawned_workers(pids) -> int:
-    """How many of `pids` are DataLoader workers (spawned: `multiprocessing.spawn` on their command line)."""
-    count = 0
-    for pid in pids:
+def loader_workers(pids) -> int:
+    """How many of `pids` are DataLoader workers: forked by a rank's forkserver (whose command line they
+    keep), so a forkserver process whose parent is one too."""
+    def forkserver(pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                count += b"spawn_main" in f.read()
+                return b"multiprocessing.forkserver" in f.read()
         except OSError:
-            pass
-    return count
+            return False
+    table = processes()
+    return sum(forkserver(pid) and forkserver(table[pid][1]) for pid in pids if pid in table)
 
 
 # jobs/lib.sh's setting: torchrun (torch >= 2.9) forwards SIGUSR1 to the ranks as it does SIGTERM, instead of
@@ -113,7 +114,7 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
     pids = every_process(proc)
     # The training and test loaders' persistent workers of every rank are among the processes signalled.
-    assert spawned_workers(pids) == 2 * workers * nproc, text(log)
+    assert loader_workers(pids) == 2 * workers * nproc, text(log)
     with paused(pids):  # lands in epoch 2 however fast the machine is
         for pid in pids:
             os.kill(pid, sig)

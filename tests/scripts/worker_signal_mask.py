@@ -1,6 +1,6 @@
 """Prints, as JSON, the stop signals a DataLoader worker is born holding back (before its worker_init_fn runs)
-and those it ignores once started; run in a fresh interpreter, where the loader's first spawn also starts
-multiprocessing's resource tracker. It exits with the loader's iterator still alive, as a run whose loader
+and those it ignores once started; run in a fresh interpreter, where the loader's first worker also starts
+multiprocessing's resource tracker (and the forkserver the project's loaders take their workers from). It exits with the loader's iterator still alive, as a run whose loader
 sits in a reference cycle does (tests/unit/test_stop_request.py)."""
 import json
 
@@ -34,7 +34,8 @@ def born_holding(worker_id: int) -> None:  # runs before the project's worker_in
 
 
 if __name__ == "__main__":
-    loader = DataLoader(Report(), num_workers=1, worker_init_fn=born_holding, multiprocessing_context="spawn",
+    context = du._loader_options(1, pin_memory=False)["multiprocessing_context"]  # the project's loaders'
+    loader = DataLoader(Report(), num_workers=1, worker_init_fn=born_holding, multiprocessing_context=context,
                         collate_fn=first)
     with du.stop_signals_held():
         batches = iter(loader)

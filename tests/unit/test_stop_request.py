@@ -88,7 +88,7 @@ def test_nonfinite_loss_policy():
 
 def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_end_with_their_process():
     """A stop signal sent to every process (Slurm, timeout) must not kill a loader worker, even one still
-    starting up: it is born holding them back (the first spawn's resource tracker unblocks SIGINT and SIGTERM
+    starting up: it is born holding them back (the first worker's resource tracker unblocks SIGINT and SIGTERM
     in the rank, so the hold is taken again), then ignores them. And a worker that ignores SIGTERM still ends
     with its process, whose loader may outlive multiprocessing's exit handler (which would wait for it for
     ever)."""
