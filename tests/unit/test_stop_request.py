@@ -1,7 +1,8 @@
 """machinery.signals.StopRequest: its SIGUSR1/SIGTERM/SIGINT handlers are installed only inside `with` and the
 previous ones restored after; a signal or the stop file inside is a stop request, named in `reason`;
 and check's policy on non-finite losses (any, without fp16's grad scaler; a majority since the last
-check, with it)."""
+check, with it); and a rank leaving with an agreed error keeps its exit status through the launcher's
+SIGTERM."""
 import json
 import os
 import signal
@@ -98,3 +99,27 @@ def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_e
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert sorted(report["born_holding"]) == sorted(report["ignores"]) == sorted(int(s) for s in SIGNALS)
+
+
+LEAVING = """
+import os, signal, sys
+import torch.distributed as dist
+from machinery.errors import WriteError, leave_on_user_error
+store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)  # a free port
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+status = leave_on_user_error(WriteError("no space left on device"))
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, as the first rank out makes srun or torchrun send it
+print("still leaving", flush=True)
+dist.destroy_process_group()
+sys.exit(status)
+"""
+
+
+def test_a_rank_leaving_with_an_agreed_error_keeps_its_status_when_the_launcher_sends_sigterm():
+    """Once the ranks agree on a UserError, each leaves with its status (74: a failed write); the launcher's
+    SIGTERM (srun --kill-on-bad-exit, torchrun), sent when the first one is out, does not turn a rank still
+    on its way out into "Terminated" (143, the job's status with it)."""
+    proc = subprocess.run([sys.executable, "-c", LEAVING], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 74, (proc.returncode, proc.stderr)
+    assert proc.stdout == "still leaving\n" and "error: no space left on device" in proc.stderr
