@@ -1,7 +1,8 @@
 """Prints, as JSON, the stop signals a DataLoader worker is born holding back (before its worker_init_fn runs)
 and those it ignores once started; run in a fresh interpreter, where the loader's first worker also starts
-multiprocessing's resource tracker (and the forkserver the project's loaders take their workers from). It exits with the loader's iterator still alive, as a run whose loader
-sits in a reference cycle does (tests/unit/test_stop_request.py)."""
+multiprocessing's resource tracker (and the forkserver the project's loaders take their workers from). It
+exits with the loader's iterator still alive, as a run whose loader sits in a reference cycle does
+(tests/unit/test_stop_request.py)."""
 import json
 
 from torch.utils.data import DataLoader, Dataset
