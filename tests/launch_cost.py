@@ -21,7 +21,7 @@ RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-
 
 
 def busy_seconds() -> float:
-    """The CPU seconds the machine has spent busy (all CPUs, user, system and the rest but idle and iowait)."""
+    """The CPU seconds the machine has spent busy (all CPUs; every state but idle and iowait)."""
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
