@@ -26,8 +26,9 @@ TINY = ["--depth", "10", "--widen-factor", "1", "--workers", "0", "--timeout", "
 
 # The run the resume and fault tests stop, kill or corrupt (and conftest's `uninterrupted` runs whole):
 # 640 samples / 32 = 20 steps per epoch, a checkpoint every 4; dropout, so that the RNG state matters. No
-# loader workers (4 spawned processes add 4 s to a 2-rank launch): the tests whose point they are give
-# --workers 1 or 2 (e2e/test_stop_signals.py: stopped mid-epoch, they end with this run's weights).
+# loader workers (a forkserver per rank and its workers add 2.7 s, 5 CPU-s, to a 2-rank launch): the tests
+# whose point they are give --workers 1 or 2 (e2e/test_stop_signals.py: stopped mid-epoch, they end with this
+# run's weights).
 CKPT_RUN = ["--dataset", "synthetic", "--train-size", 640, "--test-size", 64, "--batch-size", 32,
             "--epochs", 2, "--dropout", 0.1, *TINY, "--checkpoint-every", 4]
 

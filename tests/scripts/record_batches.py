@@ -21,7 +21,7 @@ from torchvision.datasets import ImageFolder  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 
-class IndexedFolder(ImageFolder):  # at the top level: the loader's spawned workers unpickle it
+class IndexedFolder(ImageFolder):  # at the top level: the loader's workers unpickle it
     def __getitem__(self, index):
         return super().__getitem__(index)[0], index
 
@@ -59,5 +59,5 @@ def main():
         torch.distributed.destroy_process_group()  # else gloo's threads may abort the process at exit
 
 
-if __name__ == "__main__":  # the loader's spawned workers import this file: only here does it run
+if __name__ == "__main__":  # the loader workers' forkserver imports this file: only here does it run
     main()

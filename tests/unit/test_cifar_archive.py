@@ -24,7 +24,7 @@ def test_the_archive_s_name_md5_and_folder_are_torchvision_s():
 
 def test_the_project_s_modules_import_no_torchvision():
     """train_ddp.py and its modules leave torchvision (and the torch._dynamo it imports) to the paths that
-    use it: each process and spawned loader worker starts a second sooner."""
+    use it: each rank and its loader workers' forkserver start a second sooner."""
     import subprocess
     import sys
     probe = "import sys, train_ddp; print(sorted({m.split('.')[0] for m in sys.modules} & {'torchvision'}))"

@@ -70,7 +70,7 @@ def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink()
 
 
 def local_dataset():
-    class Local(Dataset):  # defined inside a function: spawned workers cannot unpickle it
+    class Local(Dataset):  # defined inside a function: it cannot be pickled for the loader workers
         num_classes, mean, std = 2, (0.5,), (0.25,)
 
         def __len__(self):
@@ -81,7 +81,7 @@ def local_dataset():
     return Local()
 
 
-def test_a_dataset_the_spawned_workers_cannot_take_is_refused_in_one_line_naming_the_ways_out():
+def test_a_dataset_the_loader_workers_cannot_take_is_refused_in_one_line_naming_the_ways_out():
     import pytest
     from machinery.errors import UserError
     data = local_dataset()
