@@ -33,12 +33,19 @@ def learnable_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory):
-    """The checkpoint of an uninterrupted CKPT_RUN on 2 ranks: what every stopped, killed or corrupted
-    and then resumed run of it must end with, bit for bit (tests/e2e/test_resume.py, test_fault_tolerance.py)."""
+def uninterrupted_run(tmp_path_factory):
+    """The out-dir of an uninterrupted CKPT_RUN on 2 ranks: what every stopped, killed or corrupted and then
+    resumed run of it must end with, bit for bit (tests/e2e/test_resume.py, test_fault_tolerance.py,
+    test_stop_signals.py); its metrics too (test_resume.py's exact resume)."""
     out = tmp_path_factory.mktemp("uninterrupted") / "run"
     launch([*CKPT_RUN, "--out-dir", out], nproc=2)
-    return load_model_state(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(uninterrupted_run):
+    """The checkpoint of uninterrupted_run."""
+    return load_model_state(uninterrupted_run)
 
 
 @pytest.fixture(scope="session")

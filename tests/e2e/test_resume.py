@@ -22,26 +22,26 @@ SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--bat
 # --------------------------------------------------------------------------- exact resumes
 
 @pytest.mark.quick
-def test_resume_is_exact(tmp_path, learnable_dir):
-    common = ["--data-dir", learnable_dir, "--train-size", 480, "--test-size", 100, "--epochs", 2,
-              "--batch-size", 64, "--base-lr", 0.4, "--dropout", 0.2, *TINY, "--workers", 1]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    launch([*common, "--out-dir", straight], nproc=2)
-    first = launch([*common, "--out-dir", resumed, "--stop-after-epoch", 1], nproc=2)
+def test_resume_is_exact(tmp_path, uninterrupted_run):
+    """CKPT_RUN stopped after epoch 1 and resumed, with a loader worker (the uninterrupted run has none: the
+    workers change nothing), ends with the uninterrupted run's weights, optimizer state and metrics."""
+    run = [*CKPT_RUN, "--workers", 1, "--out-dir", tmp_path / "resumed"]
+    resumed = tmp_path / "resumed"
+    first = launch([*run, "--stop-after-epoch", 1], nproc=2)
     assert "Stopping after epoch 1" in first.stdout
     assert read_json(resumed / "summary.json")["finished"] is False
-    second = launch([*common, "--out-dir", resumed], nproc=2)
+    second = launch(run, nproc=2)
     assert ("Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout
             and "Epoch 2/2" in second.stdout)
 
-    a, b = load_model_state(straight), load_model_state(resumed)
+    a, b = load_model_state(uninterrupted_run), load_model_state(resumed)
     assert a["progress"]["epoch"] == b["progress"]["epoch"] == 2
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
     assert a["progress"]["position"] == b["progress"]["position"] == 0
-    ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    ma, mb = read_jsonl(uninterrupted_run / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     assert [m["epoch"] for m in mb] == [1, 2]
     timing = set(TIMING_METRICS)
     for x, y in zip(ma, mb):

@@ -93,8 +93,9 @@ def loader_workers(pids) -> int:
 TORCHRUN_FORWARDS_USR1 = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
 
 
+# Three runs, each part of the claim at least once: torchrun and plain python, both loaders, loader workers
+# under each launcher, SIGTERM and SIGUSR1.
 @pytest.mark.parametrize("nproc, loader, workers, sig", [
-    pytest.param(2, "torch", 1, signal.SIGTERM, id="torchrun-torch_loader-1_worker-TERM"),
     pytest.param(2, "gpu", 0, signal.SIGTERM, id="torchrun-gpu_loader-TERM"),
     pytest.param(2, "torch", 2, signal.SIGUSR1, id="torchrun-torch_loader-2_workers-USR1",
                  marks=pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 9),
