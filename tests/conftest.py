@@ -12,7 +12,7 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
+from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state, made_once,  # noqa: E402
                      write_cifar100)
 
 
@@ -36,10 +36,10 @@ def learnable_dir(tmp_path_factory):
 def uninterrupted_run(tmp_path_factory):
     """The out-dir of an uninterrupted CKPT_RUN on 2 ranks: what every stopped, killed or corrupted and then
     resumed run of it must end with, bit for bit (tests/e2e/test_resume.py, test_fault_tolerance.py,
-    test_stop_signals.py); its metrics too (test_resume.py's exact resume)."""
-    out = tmp_path_factory.mktemp("uninterrupted") / "run"
-    launch([*CKPT_RUN, "--out-dir", out], nproc=2)
-    return out
+    test_stop_signals.py, test_ddp_math.py's loaders); its metrics too (test_resume.py's exact resume). Read
+    only."""
+    return made_once(tmp_path_factory, "uninterrupted",
+                     lambda folder: launch([*CKPT_RUN, "--out-dir", folder / "run"], nproc=2)) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -52,14 +52,14 @@ def uninterrupted(uninterrupted_run):
 def accumulation_run(tmp_path_factory):
     """accumulation_run(ranks): the out-dir of an uninterrupted ACCUM_RUN on that many ranks (global
     batch 64, micro-batches of 16: 4 ranks x 1, 2 x 2, 1 x 4 accumulation steps), and its output;
-    each run once per session (tests/e2e/test_accumulation.py, test_resume.py)."""
-    base, done = tmp_path_factory.mktemp("accum"), {}
+    each run once per session (tests/e2e/test_accumulation.py, test_resume.py). Read only."""
+    def make(ranks, folder):
+        proc = launch([*ACCUM_RUN, "--out-dir", folder / "run"], nproc=ranks)
+        (folder / "stdout").write_text(proc.stdout)
 
     def run(ranks):
-        if ranks not in done:
-            proc = launch([*ACCUM_RUN, "--out-dir", base / f"w{ranks}"], nproc=ranks)
-            done[ranks] = (base / f"w{ranks}", proc.stdout)
-        return done[ranks]
+        folder = made_once(tmp_path_factory, f"accumulation-w{ranks}", lambda f: make(ranks, f))
+        return folder / "run", (folder / "stdout").read_text()
     return run
 
 

@@ -2,6 +2,7 @@
 launch the real entry points like a user, start them in the background and kill them, read their
 records, and write CIFAR-100 archives in the exact python format. Fixtures live in conftest.py."""
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -61,11 +62,12 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     return proc
 
 
-def run_in_process(args, env=None) -> subprocess.CompletedProcess:
+def run_in_process(args, env=None, check=False) -> subprocess.CompletedProcess:
     """`python train_ddp.py args` called in this process, as that command runs it (run_cli: the flags, main,
-    the exit status), from the project directory: for runs refused before training starts, where a fresh
-    interpreter (seconds of imports) proves nothing more. Returns what launch() returns (returncode,
-    stdout, stderr)."""
+    the exit status), from the project directory, with the threads launch() gives one process: for one-process
+    runs without loader workers whose point is not the process (a refusal, a short training whose records
+    are read), where a fresh interpreter (3 CPU-seconds of imports) proves nothing more. Returns what
+    launch() returns (returncode, stdout, stderr); `check`: raise if it failed, as launch() does."""
     import contextlib
     import faulthandler
     import tempfile
@@ -73,9 +75,11 @@ def run_in_process(args, env=None) -> subprocess.CompletedProcess:
     import train_ddp
     from machinery.cli import run_cli
     argv = [str(a) for a in args]
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    assert "--workers" not in argv or argv[argv.index("--workers") + 1] == "0", "workers need a process"
+    saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     os.environ.update(env or {})
     os.chdir(ROOT)
+    torch.set_num_threads(int(threads_per_rank(1)))
     # files, not StringIO: run_cli hands stderr's file descriptor to faulthandler
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         try:
@@ -85,14 +89,38 @@ def run_in_process(args, env=None) -> subprocess.CompletedProcess:
                                      argv=argv)
                 except SystemExit as e:  # argparse's refusals
                     status = e.code if isinstance(e.code, int) else 1
+                status = 0 if status is None else status  # as sys.exit(None)
         finally:
             faulthandler.unregister(signal.SIGUSR2)  # run_cli's, on a file about to close
+            torch.set_num_threads(saved_threads)
             os.chdir(saved_cwd)
             os.environ.clear()
             os.environ.update(saved_env)
         stdout.seek(0)
         stderr.seek(0)
-        return subprocess.CompletedProcess(["train_ddp.py", *argv], status, stdout.read(), stderr.read())
+        proc = subprocess.CompletedProcess(["train_ddp.py", *argv], status, stdout.read(), stderr.read())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train_ddp.py {' '.join(argv)} (in this process) exited {proc.returncode}\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def made_once(tmp_path_factory, name: str, make):
+    """The folder `name`, filled by make(folder) once for the whole test session: pytest-xdist's workers share
+    it (the first to ask makes it, under a lock; the others wait and read), where a session fixture alone
+    would launch the same reference run once per worker."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that failed making it
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 def threads_per_rank(nproc: int) -> str:

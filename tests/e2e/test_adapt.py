@@ -183,7 +183,7 @@ def test_load_data_alone_adapts_to_another_shape_and_class_count(tmp_path, shape
 def test_resume_on_data_of_another_shape_is_refused_in_one_line(tmp_path):
     out = tmp_path / "run"
     rgb = adapted_script(tmp_path / "rgb", load_data=shaped_block(*SHAPES["non-square RGB"]))
-    run_adapted(rgb, [*SHAPED_RUN, "--out-dir", out, "--epochs", 1], nproc=1)
+    launch([*SHAPED_RUN, "--out-dir", out, "--epochs", 1], torchrun=False, script=rgb, env=ADAPTED_ENV)
     before = (out / "checkpoint.pt").read_bytes()
     grey = adapted_script(tmp_path / "grey", load_data=shaped_block(*SHAPES["grey"]))
     proc = run_adapted(grey, [*SHAPED_RUN, "--out-dir", out, "--epochs", 2], check=False)

@@ -26,7 +26,7 @@ def snapshot(d):
 def finished_run(tmp_path_factory):
     """A good run whose out-dir the bad runs point at: none of them may change it."""
     out = tmp_path_factory.mktemp("good") / "run"
-    launch([*SMALL, "--out-dir", out], torchrun=False)
+    run_in_process([*SMALL, "--out-dir", out], check=True)
     return out
 
 
@@ -118,7 +118,7 @@ def test_checkpoint_from_another_device_type_is_refused(tmp_path, finished_run):
     assert_refused(proc, f"{out / 'checkpoint.pt'} was trained on cuda, and this run is on cpu: "
                          f"resume with --device cuda, or train afresh in another --out-dir")
     assert snapshot(out) == before
-    evaluated = launch([*SMALL, "--out-dir", out, "--evaluate"], torchrun=False)  # evaluating it is fine
+    evaluated = run_in_process([*SMALL, "--out-dir", out, "--evaluate"], check=True)  # evaluating it is fine
     assert "Validation Accuracy" in evaluated.stdout
 
 

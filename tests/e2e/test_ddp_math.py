@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import WideResNet
-from support import (SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process,
+from support import (CKPT_RUN, SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process,
                      write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
@@ -49,20 +49,19 @@ def test_ddp_step_matches_single_process_math(tmp_path):
 
 @pytest.mark.quick
 def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
+    """301 test images scored by the training run's last evaluation (1 process, batches of 64), then by
+    --evaluate on 2 and 3 ranks in batches of 6 (uneven shards): each image once, the same counts."""
     out = tmp_path / "run"
     common = ["--data-dir", learnable_dir, "--out-dir", out, "--test-size", 301, *TINY]
-    launch(["--train-size", 1000, "--epochs", 2, "--warmup-epochs", 0, "--batch-size", 64,
-            "--base-lr", 0.4, *common])
-    results = []
-    for n in (1, 2, 3):
+    run_in_process(["--train-size", 1000, "--epochs", 2, "--warmup-epochs", 0, "--batch-size", 64,
+            "--base-lr", 0.4, *common], check=True)
+    first = read_jsonl(out / "metrics.jsonl")[-1]
+    assert first["val_count"] == 301 and 0.02 < first["val_acc"] < 1.0
+    for n in (2, 3):
         proc = launch(["--evaluate", "--batch-size", 6, *common], nproc=n)
         assert proc.stdout.count("Validation Loss:") == 1
-        results.append(read_json(out / "eval.json"))
-        assert results[-1]["world_size"] == n
-    first = results[0]
-    assert first["val_count"] == 301 and 0.02 < first["val_acc"] < 1.0
-    for r in results[1:]:
-        assert r["val_count"] == first["val_count"]
+        r = read_json(out / "eval.json")
+        assert r["world_size"] == n and r["val_count"] == first["val_count"]
         assert r["val_acc"] == first["val_acc"] and r["val_top5"] == first["val_top5"]
         assert r["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
 
@@ -89,7 +88,7 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert "Validation Accuracy: " in proc.stdout
     # --test-size chooses what --evaluate scores (a longer share of the test set, say); training may not
     # change it.
-    launch(["--evaluate", "--out-dir", out, "--test-size", 5], torchrun=False)
+    run_in_process(["--evaluate", "--out-dir", out, "--test-size", 5], check=True)
     assert read_json(out / "eval.json")["val_count"] == 5
     refused = run_in_process([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5])
     assert (refused.returncode != 0
@@ -97,12 +96,10 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert "which trained on other data: use another --out-dir" in refused.stderr
 
 
-def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path):
-    common = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
-              "--epochs", 1, "--dropout", 0.1, *TINY]
-    launch([*common, "--out-dir", tmp_path / "torch", "--loader", "torch", "--workers", 1], nproc=2)
-    # device-resident, here on CPU
-    launch([*common, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)
-    a, b = load_model_state(tmp_path / "torch"), load_model_state(tmp_path / "gpu")
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
+def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path, uninterrupted):
+    """CKPT_RUN with the data device-resident (here on the CPU) ends with the weights of conftest's
+    uninterrupted run of it, which the torch DataLoader fed."""
+    launch([*CKPT_RUN, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)
+    got = load_model_state(tmp_path / "gpu")
+    for k, value in uninterrupted["model"].items():
+        assert torch.equal(got["model"][k], value), k

@@ -3,12 +3,11 @@ others back, --profile's traces, an unreadable sample and --skip-bad-samples, a 
 out of the loss. Each test runs a copy of train_ddp.py with load_data or build_model replaced (as a user
 adapts it) through torchrun on 2 CPU ranks."""
 import json
-import os
 
 import pytest
 import torch
 
-from support import ROOT, TINY, assert_one_line, launch, load_model_state, read_jsonl
+from support import TINY, assert_one_line, launch, load_model_state, read_jsonl
 from test_adapt import adapted_script, readme_load_data, run_adapted
 
 PHASES = ("data", "compute", "sync", "optimizer", "other")

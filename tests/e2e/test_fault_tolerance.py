@@ -11,7 +11,8 @@ import subprocess
 import sys
 import time
 
-from support import CKPT_RUN, ROOT, TINY, assert_same_weights, launch, load_model_state, start, text, wait_for
+from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, load_model_state, run_in_process, start,
+                     text, wait_for)
 
 
 def workers_of(proc):
@@ -100,9 +101,9 @@ def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
     out = tmp_path / "run"
     base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32,
             "--epochs", 2, "--out-dir", out, *TINY]
-    launch([*base, "--stop-after-epoch", 1], torchrun=False)
+    run_in_process([*base, "--stop-after-epoch", 1], check=True)
     good = (out / "checkpoint.pt").read_bytes()
-    proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
+    proc = run_in_process([*base, "--base-lr", 1e30])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "error: the training loss became NaN or infinite" in proc.stderr
     assert (out / "checkpoint.pt").read_bytes() == good
@@ -112,9 +113,9 @@ def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
     out = tmp_path / "run"
     base = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 32, "--batch-size", 32,
             "--epochs", 2, "--out-dir", out, "--amp", "fp16", *TINY]
-    launch([*base, "--stop-after-epoch", 1], torchrun=False)
+    run_in_process([*base, "--stop-after-epoch", 1], check=True)
     good = (out / "checkpoint.pt").read_bytes()
-    proc = launch([*base, "--base-lr", 1e30], torchrun=False, check=False)
+    proc = run_in_process([*base, "--base-lr", 1e30])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert ("error: the training loss was NaN or infinite in most fp16 steps since the last check"
             in proc.stderr)

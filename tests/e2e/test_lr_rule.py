@@ -2,7 +2,7 @@
 global batch (by accumulation), ends within a few points of it; without the rule, far behind."""
 import tempfile
 
-from support import TINY, launch, read_jsonl, write_cifar100
+from support import TINY, read_jsonl, run_in_process, write_cifar100
 
 
 def test_the_lr_rule_carries_a_tuned_run_to_a_4x_larger_batch():
@@ -20,7 +20,7 @@ def test_the_lr_rule_carries_a_tuned_run_to_a_4x_larger_batch():
                 "small": ["--batch-size", 16],
                 "linear": ["--batch-size", 64, "--micro-batch", 16],
                 "none": ["--batch-size", 64, "--micro-batch", 16, "--lr-scaling", "none"]}.items():
-            proc = launch([*common, *flags, "--out-dir", f"{d}/{name}"], torchrun=False)
+            proc = run_in_process([*common, *flags, "--out-dir", f"{d}/{name}"], check=True)
             acc[name] = read_jsonl(f"{d}/{name}/metrics.jsonl")[-1]["val_acc"]
             if name != "small":
                 assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in proc.stdout
@@ -40,9 +40,10 @@ def test_the_original_preset_trains_at_the_original_script_s_lr_for_its_job_s_fl
     original_job = ["--batch-size", 1024, "--base-lr", 0.04, "--target-accuracy", 0.95, "--patience", 2]
     run = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 64, "--epochs", 2,
            "--micro-batch", 128, "--log-every", 0, *TINY, "--device", "cpu"]
-    proc = launch([*original_job, "--recipe", "original", *run, "--out-dir", tmp_path / "original"],
-                  torchrun=False)
+    proc = run_in_process([*original_job, "--recipe", "original", *run, "--out-dir", tmp_path / "original"],
+                          check=True)
     assert "LR 0.04 (--base-lr as given, --lr-scaling none; constant after 0 warm-up epochs)" in proc.stdout
     assert [m["lr"] for m in read_jsonl(tmp_path / "original" / "metrics.jsonl")] == [0.04, 0.04]
-    default = launch([*original_job, *run, "--epochs", 1, "--out-dir", tmp_path / "default"], torchrun=False)
+    default = run_in_process([*original_job, *run, "--epochs", 1, "--out-dir", tmp_path / "default"],
+                             check=True)
     assert "LR 0.08 (linear scaling of 0.04 from batch 512; cosine after 1 warm-up epochs)" in default.stdout

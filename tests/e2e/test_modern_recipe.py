@@ -108,7 +108,7 @@ def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, two_
 @pytest.mark.parametrize("name", OPTIONS)
 def test_each_option_trains_the_same_on_2_ranks_x_2_micro_steps_as_on_1_x_4(name, two_by_two, tmp_path):
     reference, flags = two_by_two(name)
-    launch([*flags, "--out-dir", tmp_path / "w1"], nproc=1)
+    run_in_process([*flags, "--out-dir", tmp_path / "w1"], check=True)
     a, b = load_model_state(reference), load_model_state(tmp_path / "w1")
     assert_close_models(a, b)
     if "model_ema" in a:
@@ -142,9 +142,9 @@ def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(
 
 def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path):
     plain = [*RUN, "--weight-decay", 0, "--momentum", 0, "--warmup-epochs", 0, "--lr-schedule", "constant"]
-    launch([*plain, "--clip-grad-norm", 1e-6, "--out-dir", tmp_path / "tiny"], torchrun=False)
+    run_in_process([*plain, "--clip-grad-norm", 1e-6, "--out-dir", tmp_path / "tiny"], check=True)
     # a bound no gradient reaches: the updates unclipped, and the norm reported
-    launch([*plain, "--clip-grad-norm", 1e9, "--out-dir", tmp_path / "free"], torchrun=False)
+    run_in_process([*plain, "--clip-grad-norm", 1e9, "--out-dir", tmp_path / "free"], check=True)
     torch.manual_seed(0)  # build_training's initial weights
     from model import WideResNet
     start = WideResNet(10, 1, num_classes=100, in_channels=3).state_dict()
@@ -156,7 +156,8 @@ def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path)
     moved = max((t - start[n]).abs().max() for n, t in load_model_state(tmp_path / "free")["model"].items()
                 if n.endswith(("weight", "bias")))
     assert moved > 1e-3
-    launch([*plain, "--clip-grad-norm", 1e9, "--amp", "fp16", "--out-dir", tmp_path / "fp16"], torchrun=False)
+    run_in_process([*plain, "--clip-grad-norm", 1e9, "--amp", "fp16", "--out-dir", tmp_path / "fp16"],
+                   check=True)
     norms = {amp: read_jsonl(tmp_path / folder / "metrics.jsonl")[0] for amp, folder in (("off", "free"),
                                                                                          ("fp16", "fp16"))}
     assert norms["off"]["grad_norm"] > 0 and norms["off"]["nonfinite_grad_steps"] == 0
@@ -182,8 +183,8 @@ def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(t
             and summary["test_acc_at_best_val"] == metrics[best]["test_acc"])
     assert summary["best_val_acc"] == max(accs)
     # Early stopping follows the validation split: a target it reaches at epoch 1 ends the run there.
-    early = launch([*RUN, "--epochs", 3, "--val-size", 64, "--target-accuracy", 0.0, "--patience", 1,
-                    "--out-dir", tmp_path / "early"], torchrun=False)
+    early = run_in_process([*RUN, "--epochs", 3, "--val-size", 64, "--target-accuracy", 0.0, "--patience", 1,
+                    "--out-dir", tmp_path / "early"], check=True)
     assert "Early stopping after epoch 1" in early.stdout
 
 
@@ -198,8 +199,8 @@ def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_
     first, _ = ema_run
     # training that leaves the weights where they start
     still = [*RUN, "--base-lr", 1e-12, "--weight-decay", 0]
-    second = launch([*still, "--init-from", first / "checkpoint.pt", "--out-dir", tmp_path / "second"],
-                    torchrun=False)
+    second = run_in_process([*still, "--init-from", first / "checkpoint.pt",
+                             "--out-dir", tmp_path / "second"], check=True)
     assert f"Initialised from the weight EMA in {first}/checkpoint.pt" in second.stdout
     ema = {k.removeprefix("module."): v for k, v in load_model_state(first)["model_ema"].items()
            if k != "n_averaged"}
@@ -216,8 +217,8 @@ def test_init_from_starts_from_the_file_s_weights_and_refuses_another_model(tmp_
 
 def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_otherwise_goes_on(tmp_path):
     out = tmp_path / "run"
-    launch([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out],
-           torchrun=False)
+    run_in_process([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out],
+                   check=True)
     before = load_model_state(out)
     for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
                          (["--mixup-alpha", 0.2, "--model-ema"],
@@ -227,6 +228,7 @@ def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_ot
         assert proc.returncode != 0
         assert_one_line(proc.stderr, says)
         assert_same_state(load_model_state(out), before)  # the checkpoint kept
-    resumed = launch([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out], torchrun=False)
+    resumed = run_in_process([*RUN, "--epochs", 2, "--mixup-alpha", 0.2, "--tta", "--out-dir", out],
+                             check=True)
     assert ("resumed with changes: --tta False -> True" not in resumed.stdout
             and "Epoch 2/2 completed" in resumed.stdout)

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 
-from support import (TINY, assert_one_line, kill_all, launch, read_jsonl, start, text, wait_for)
+from support import (TINY, assert_one_line, kill_all, launch, read_jsonl, run_in_process, start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 # 1600 / 32 = 50 steps per epoch.
@@ -25,7 +25,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_killed_run_does_not_loc
     proc, log = start(run, nproc=2)
     wait_for(lambda: "step 10/" in text(log), what="the first run to train")
     owner = json.loads((out / "run.lock").read_text())
-    second = launch([*run, "--epochs", 3], torchrun=False, check=False, timeout=120)
+    second = run_in_process([*run, "--epochs", 3])
     assert second.returncode == 2
     assert f"is in use by another run (host {socket.gethostname()}, pid {owner['pid']}" in second.stderr
     assert "use another --out-dir" in second.stderr and "Resumed" not in second.stdout

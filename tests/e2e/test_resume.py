@@ -144,7 +144,7 @@ def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(a
     args = [a for a in ACCUM_RUN]
     i = args.index("--micro-batch")
     del args[i:i + 2]  # not given again: the checkpoint's micro-batch is kept
-    second = launch([*args, "--out-dir", out], nproc=1)
+    second = run_in_process([*args, "--out-dir", out], check=True)  # 1 rank
     assert "Global batch 64 = 1 ranks x 4 accumulation steps x 16;" in second.stdout
     assert ("note: 2 ranks x 2 accumulation steps x 16 before, 1 x 4 x 16 now: the same global batch"
             in second.stdout)
@@ -155,9 +155,10 @@ def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(a
 def test_resume_with_another_precision(tmp_path, first, then):
     """An fp16 run's grad-scaler state is absent from other runs' checkpoints, and unused by them."""
     out = tmp_path / "run"
-    launch([*SMALL, "--epochs", 2, "--stop-after-epoch", 1, "--amp", first, "--out-dir", out], torchrun=False)
+    run_in_process([*SMALL, "--epochs", 2, "--stop-after-epoch", 1, "--amp", first, "--out-dir", out],
+                   check=True)
     assert bool(load_model_state(out)["scaler"]) == (first == "fp16")  # the scaler's state: fp16's alone
-    proc = launch([*SMALL, "--epochs", 2, "--amp", then, "--out-dir", out], torchrun=False)
+    proc = run_in_process([*SMALL, "--epochs", 2, "--amp", then, "--out-dir", out], check=True)
     assert "Resumed from" in proc.stdout and "Training completed successfully." in proc.stdout
     ckpt = load_model_state(out)
     assert ckpt["config"]["amp"] == then and bool(ckpt["scaler"]) == (then == "fp16")
@@ -174,7 +175,7 @@ def finished(tmp_path_factory):
     write_cifar100(str(base / "b"), 200, 40, archive=False, seed=1)  # the same sizes, other images
     out = base / "run"
     common = ["--data-dir", base / "a", "--out-dir", out, *TINY, "--device", "cpu", "--batch-size", 40]
-    launch([*common, "--epochs", 1], torchrun=False)
+    run_in_process([*common, "--epochs", 1], check=True)
     return base, out, common
 
 

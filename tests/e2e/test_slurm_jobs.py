@@ -108,11 +108,27 @@ def run_seconds(job_id):
     return (end - start).total_seconds()
 
 
-def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
+# no Python environment with torch
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+VENV = os.path.join(ROOT, ".venv")
+
+
+@pytest.fixture(scope="module")
+def multigpu_job(slurm, tmp_path_factory):
+    """jobs/multigpu.sh on 2 GPUs, submitted as users do from a shell that never activated the environment
+    (PATH without torch) when the project has its .venv (the README's set-up makes it; CI does): (its log's
+    text, the out-dir). Read by the two tests below."""
+    tmp_path = tmp_path_factory.mktemp("multigpu")
     out = tmp_path / "run"
-    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", out])
+    bare = os.path.exists(os.path.join(VENV, "bin", "torchrun"))
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", out],
+                      env={"PATH": SYSTEM_PATH} if bare else None)
     assert wait_job(job, log) == "COMPLETED", read(log)
-    text = read(log)
+    return read(log), out
+
+
+def test_multigpu_job_uses_every_granted_gpu(multigpu_job):
+    text, out = multigpu_job
     assert "GPUs on this node: 2" in text and "torchrun: 1 node x 2 processes" in text
     assert "Training completed successfully." in text
     summary = read_json(out / "summary.json")
@@ -125,21 +141,13 @@ def test_multigpu_job_uses_every_granted_gpu(slurm, tmp_path):
     assert summary["epochs_completed"] == 2 and summary["finished"] is True
 
 
-# no Python environment with torch
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def test_job_without_torchrun_on_path_uses_the_project_s_venv(slurm, tmp_path):
+def test_job_without_torchrun_on_path_uses_the_project_s_venv(multigpu_job):
     """Submitted from a shell that never activated the environment: the job finds the project's .venv."""
-    venv = os.path.join(ROOT, ".venv")
-    if not os.path.exists(os.path.join(venv, "bin", "torchrun")):
+    if not os.path.exists(os.path.join(VENV, "bin", "torchrun")):
         pytest.skip("no .venv in the project (the README's set-up makes it; CI does)")
     assert shutil.which("torchrun", path=SYSTEM_PATH) is None
-    out = tmp_path / "run"
-    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--out-dir", out],
-                      env={"PATH": SYSTEM_PATH})
-    assert wait_job(job, log) == "COMPLETED", read(log)
-    assert f"python: {venv}/bin/python" in read(log) and "Training completed successfully." in read(log)
+    text, _ = multigpu_job
+    assert f"python: {VENV}/bin/python" in text and "Training completed successfully." in text
 
 
 def test_job_without_any_torch_environment_fails_at_once_in_one_line(slurm, tmp_path):

@@ -17,7 +17,8 @@ def assert_original_script_lines(log, epochs, world_size):
     is on CPU (GPUs on CUDA); after each epoch but the last, the whole run's ETA, once."""
     for epoch in range(1, epochs + 1):
         assert len(re.findall(rf"^Epoch {epoch}/{epochs} completed in \d+\.\d{{3}} seconds$", log, re.M)) == 1
-    assert len(re.findall(r"^Validation Loss: \d+\.\d{4}, Validation Accuracy: 0\.\d{4}$", log, re.M)) == epochs
+    validation = r"^Validation Loss: \d+\.\d{4}, Validation Accuracy: 0\.\d{4}$"
+    assert len(re.findall(validation, log, re.M)) == epochs
     assert len(re.findall(r"^Epoch Throughput: \d+\.\d{3} images/second$", log, re.M)) == epochs
     assert (f"Training started with {world_size} processes across 1 nodes.\n"
             f"Using {world_size} CPU processes per node.\n" in log)
@@ -108,7 +109,7 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     state = load_model_state(out)["model"]
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)  # unwrapped from compile and DDP
     WideResNet(10, 1, 100).load_state_dict(state)
-    evaluated = launch([*common, "--evaluate"], torchrun=False)  # no compile, another world size
+    evaluated = run_in_process([*common, "--evaluate"], check=True)  # no compile, another world size
     acc = float(re.search(r"Validation Accuracy: ([\d.]+)", evaluated.stdout).group(1))
     # The same weights; compiled and eager kernels may round differently, enough to flip one near-tie.
     assert acc == pytest.approx(read_jsonl(out / "metrics.jsonl")[-1]["val_acc"], abs=1 / 50 + 1e-9)
@@ -122,7 +123,7 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     out = tmp_path / "run"
     run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
            "--epochs", 2, "--out-dir", out, "--log-every", 0, *TINY]
-    first = launch(run, torchrun=False)
+    first = run_in_process(run, check=True)
     summary, config = read_json(out / "summary.json"), read_json(out / "config.json")
     metrics = read_jsonl(out / "metrics.jsonl")
     best = max(metrics, key=lambda m: m["val_acc"])
@@ -162,12 +163,12 @@ def test_a_run_ends_with_its_result_and_a_finished_run_is_never_rerun_silently(t
     # A run that died after its last checkpoint, before its summary (a full disk, a lost node): the same
     # command trains nothing and writes the records it lacked.
     (out / "summary.json").unlink()
-    repaired = launch(run, torchrun=False)
+    repaired = run_in_process(run, check=True)
     assert "Epoch " not in repaired.stdout and "Training completed successfully." in repaired.stdout
     assert read_json(out / "summary.json")["final_val_acc"] == summary["final_val_acc"]
     assert ((out / "checkpoint.pt").stat().st_mtime_ns == before
             and read_jsonl(out / "metrics.jsonl") == metrics)
-    more = launch([*run, "--epochs", 3], torchrun=False)
+    more = run_in_process([*run, "--epochs", 3], check=True)
     assert ("Epoch 3/3 completed" in more.stdout
             and [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3])
     # The Config line shows what was given: the per-rank cap the resume keeps from the checkpoint is said

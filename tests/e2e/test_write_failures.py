@@ -11,7 +11,7 @@ import time
 import pytest
 
 from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launcher_and_ranks,
-                     load_model_state, paused, read_jsonl, start, text, wait_for)
+                     load_model_state, paused, read_jsonl, run_in_process, start, text, wait_for)
 
 # 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
 RUN = ["--dataset", "synthetic", "--train-size", 1600, "--test-size", 64, "--batch-size", 32, "--epochs", 3,
@@ -93,7 +93,7 @@ def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first.
     run = [*RUN, "--train-size", 3200, "--batch-size", 64, "--widen-factor", 2,
            "--checkpoint-every", 10, "--epochs", 1]
-    launch([*run, "--out-dir", reference], torchrun=False)
+    run_in_process([*run, "--out-dir", reference], check=True)
     args = [*run, "--out-dir", out]
     status, output, exit_s, filler = run_until_write_fails(
         args, 1, False, lambda o: (o / "checkpoint.pt").exists(), 64 * 1024, small_fs)
@@ -163,9 +163,9 @@ def test_full_disk_under_elastic_restarts_says_the_same_line_quickly_on_every_at
 
 def test_evaluate_on_a_full_disk_says_eval_json_could_not_be_written(small_fs):
     out = small_fs / "run"
-    launch([*RUN, "--out-dir", out, "--epochs", 1, "--train-size", 64], torchrun=False)
+    run_in_process([*RUN, "--out-dir", out, "--epochs", 1, "--train-size", 64], check=True)
     fill(small_fs, 0)
-    proc = launch(["--evaluate", "--out-dir", out], torchrun=False, check=False)
+    proc = run_in_process(["--evaluate", "--out-dir", out])
     assert proc.returncode == 74
     assert_one_line(proc.stdout + proc.stderr, "error: no space left on device writing eval.json in ",
                     f"the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is intact")
