@@ -137,11 +137,13 @@ class OutDirLock:
 
 
 def process_start(pid: int):
-    """The process's start time (clock ticks since boot), or None if there is no such process:
-    with the pid, it names a process even after the pid is reused."""
+    """The process's start time (clock ticks since boot), or None if there is no such process: with the pid,
+    it names a process even after the pid is reused. A zombie is none: it has exited, and only waits for its
+    parent (or init, after a kill -9 of the launcher too) to read its status."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         try:
             os.kill(pid, 0)

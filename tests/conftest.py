@@ -12,8 +12,8 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state, made_once,  # noqa: E402
-                     write_cifar100)
+from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
+                     made_once, write_cifar100)
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, launch, load_model_state, read_jsonl,
-                      text, wait_for)
+from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, load_model_state, read_jsonl,
+                     run_in_process, text, wait_for)
 
 # 2400 samples, global batch 60: 40 steps per epoch, a checkpoint every 5 of them. Epochs of a few
 # seconds leave time for a second agent to start (a few seconds of imports) while the run is going on.
@@ -25,8 +25,9 @@ RUN = ["--dataset", "synthetic", "--train-size", N_TRAIN, "--test-size", 100, "-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """RUN uninterrupted in one process (2 accumulation steps of 30: the same math as 2 ranks x 30)."""
     out = tmp_path_factory.mktemp("elastic") / "reference"
-    launch([*RUN, "--out-dir", out], nproc=2)
+    run_in_process([*RUN, "--out-dir", out], check=True)
     return load_model_state(out)
 
 

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, load_model_state, run_in_process, start,
-                     text, wait_for)
+from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, load_model_state, run_in_process,
+                     start, text, wait_for)
 
 
 def workers_of(proc):

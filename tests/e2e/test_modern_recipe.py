@@ -167,7 +167,7 @@ def test_clipping_bounds_the_update_and_fp16_reports_the_unscaled_norm(tmp_path)
 
 def test_validation_split_is_held_out_selects_best_pt_and_the_test_set_reports(tmp_path):
     out = tmp_path / "run"
-    proc = launch([*RUN, "--epochs", 3, "--val-size", 64, "--out-dir", out], nproc=2)
+    proc = run_in_process([*RUN, "--epochs", 3, "--val-size", 64, "--out-dir", out], check=True)  # 1 process
     assert "Data: synthetic (learnable, of CIFAR-100's shape): 576 training and 64 test images" in proc.stdout
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["train_samples"] for m in metrics] == [576] * 3  # the 64 held out are never trained on

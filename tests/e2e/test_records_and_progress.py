@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from support import ROOT, TINY, launch, read_json, read_jsonl, require_package
+from support import ROOT, TINY, launch, read_json, read_jsonl, require_package, run_in_process
 
 # 256 samples / 32 = 8 steps per epoch.
 SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
@@ -19,10 +19,12 @@ SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--ba
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
+    """Two runs of SMALL, seeds 0 and 1: the first on 2 ranks (its log and run.json), the second, only plotted
+    beside it, in one process (in this one)."""
     base = tmp_path_factory.mktemp("runs")
-    procs = [launch([*SMALL, "--out-dir", base / name, "--seed", seed, "--log-every", 4], nproc=2)
-             for name, seed in (("first", 0), ("second", 1))]
-    return base / "first", base / "second", procs[0].stdout
+    first = launch([*SMALL, "--out-dir", base / "first", "--seed", 0, "--log-every", 4], nproc=2)
+    run_in_process([*SMALL, "--out-dir", base / "second", "--seed", 1, "--log-every", 4], check=True)
+    return base / "first", base / "second", first.stdout
 
 
 def test_progress_lines_in_batch_logs_come_after_the_first_step_then_every_n_from_rank_0(two_runs):

@@ -76,12 +76,13 @@ def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, uninte
 
 def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     """Stopped in the middle of epoch 2 on 2 ranks, resumed on 3: the same global batch (48), the LR of
-    every epoch that of an uninterrupted 2-rank run, every epoch's samples each trained once, and the
-    run finishes. (The weights differ from the uninterrupted run's by float summation order only.)"""
+    every epoch that of an uninterrupted run at that global batch (one process: the LR is the global batch's
+    and the step's), every epoch's samples each trained once, and the run finishes. (The weights differ
+    from an uninterrupted 2-rank run's by float summation order only.)"""
     # 48 divides by 2 and by 3: 14 steps per epoch, the last of 16
     run = [a if a != 32 else 48 for a in CKPT_RUN]
     reference, out, stop_file = tmp_path / "reference", tmp_path / "run", tmp_path / "stop"
-    launch([*run, "--out-dir", reference], nproc=2)
+    run_in_process([*run, "--out-dir", reference], check=True)
     proc, log = start([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
     wait_for(lambda: "Epoch 1/2 completed" in text(log) or proc.poll() is not None, what="epoch 1's end")
     with paused(launcher_and_ranks(proc)):  # lands in epoch 2 however fast the machine is
@@ -116,16 +117,17 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
 
 def test_resume_with_another_batch_size_keeps_its_place_in_samples(tmp_path):
     """Stopped mid-epoch at batch 64, resumed at 32: the epoch still trains each of its 1280 samples
-    once, and the cosine schedule still ends at 0 at the end of the last epoch."""
+    once, and the cosine schedule still ends at 0 at the end of the last epoch. (One process: the samples and
+    the schedule are the global batch's; another world size: test_resume_on_another_world_size_...)"""
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     run = [*TINY_SYNTH, "--train-size", 1280, "--test-size", 20, "--epochs", 2, "--workers", 0,
            "--out-dir", out]
     stop_file.touch()  # seen at the first check, after step 10 of 20
-    first = launch([*run, "--batch-size", 64], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
-    assert first.returncode != 0 and "after step 10" in first.stdout
+    first = run_in_process([*run, "--batch-size", 64], env={"DDP_STOP_FILE": str(stop_file)})
+    assert first.returncode == 75 and "after step 10" in first.stdout
     assert load_model_state(out)["progress"]["position"] == 640
     stop_file.unlink()
-    second = launch([*run, "--batch-size", 32], nproc=2)
+    second = run_in_process([*run, "--batch-size", 32], check=True)
     assert "note: the global batch changed from 64 to 32 on resume" in second.stdout
     assert ("epoch 1 of 2 done" not in second.stdout
             and "0 of 2 done, and 640 samples (20 steps)" in second.stdout)
