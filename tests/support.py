@@ -62,20 +62,29 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     return proc
 
 
-def run_in_process(args, env=None, check=False) -> subprocess.CompletedProcess:
+def run_in_process(args, env=None, check=False, script=None) -> subprocess.CompletedProcess:
     """`python train_ddp.py args` called in this process, as that command runs it (run_cli: the flags, main,
     the exit status), from the project directory, with the threads launch() gives one process: for one-process
     runs without loader workers whose point is not the process (a refusal, a short training whose records
     are read), where a fresh interpreter (3 CPU-seconds of imports) proves nothing more. Returns what
-    launch() returns (returncode, stdout, stderr); `check`: raise if it failed, as launch() does."""
+    launch() returns (returncode, stdout, stderr); `check`: raise if it failed, as launch() does; `script`: a
+    copy of train_ddp.py to run instead (an adapted one: tests/e2e/test_adapt.py)."""
     import contextlib
     import faulthandler
+    import importlib.util
     import tempfile
 
-    import train_ddp
     from machinery.cli import run_cli
+    if script is None:
+        import train_ddp
+    else:  # loaded under a name of its own: its functions, not train_ddp's
+        name = f"adapted_{hashlib.md5(str(script).encode()).hexdigest()}"
+        spec = importlib.util.spec_from_file_location(name, script)
+        train_ddp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train_ddp)
     argv = [str(a) for a in args]
-    assert "--workers" not in argv or argv[argv.index("--workers") + 1] == "0", "workers need a process"
+    workers = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--workers"]
+    assert workers[-1:] in ([], ["0"]), "loader workers need a process of their own: launch()"
     saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     os.environ.update(env or {})
     os.chdir(ROOT)

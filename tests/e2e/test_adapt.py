@@ -1,6 +1,7 @@
 """Adapting the reference: another image-classification dataset is `load_data` alone, another model is
 `build_model` with `model_config` alone. Each test copies train_ddp.py, replaces exactly those
-functions (the Fashion-MNIST one with the README's own text), and runs the copy through torchrun."""
+functions (the Fashion-MNIST one with the README's own text), and runs the copy through torchrun, or in the
+test's process where neither the world size nor the process is the point (support.run_in_process)."""
 import gzip
 import json
 import os
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import dataset_utils as du
-from support import ROOT, SCRIPTS, TINY, assert_one_line, launch, load_model_state, read_json, read_jsonl
+from support import (ROOT, SCRIPTS, TINY, assert_one_line, launch, load_model_state, read_json, read_jsonl,
+                     run_in_process)
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz"
@@ -164,7 +166,8 @@ def test_load_data_alone_adapts_to_another_shape_and_class_count(tmp_path, shape
     block = shaped_block(c, h, w, k)
     script = adapted_script(tmp_path / "code", load_data=block)
     out = tmp_path / "run"
-    proc = run_adapted(script, [*SHAPED_RUN, "--out-dir", out, "--loader", loader])
+    # one process, in this one: the shape and the classes are the point, not the world size
+    proc = run_in_process([*SHAPED_RUN, "--out-dir", out, "--loader", loader], script=script, check=True)
     assert (f"Data: ImageData from load_data: 480 training and 150 test images of {c} x {h} x {w}, "
             f"{k} classes" in proc.stdout)
     assert ("Validation Top-5 Accuracy" in proc.stdout) == (k > 5)  # with 5 classes or fewer it is always 1
@@ -183,10 +186,10 @@ def test_load_data_alone_adapts_to_another_shape_and_class_count(tmp_path, shape
 def test_resume_on_data_of_another_shape_is_refused_in_one_line(tmp_path):
     out = tmp_path / "run"
     rgb = adapted_script(tmp_path / "rgb", load_data=shaped_block(*SHAPES["non-square RGB"]))
-    launch([*SHAPED_RUN, "--out-dir", out, "--epochs", 1], torchrun=False, script=rgb, env=ADAPTED_ENV)
+    run_in_process([*SHAPED_RUN, "--out-dir", out, "--epochs", 1], script=rgb, check=True)
     before = (out / "checkpoint.pt").read_bytes()
     grey = adapted_script(tmp_path / "grey", load_data=shaped_block(*SHAPES["grey"]))
-    proc = run_adapted(grey, [*SHAPED_RUN, "--out-dir", out, "--epochs", 2], check=False)
+    proc = run_in_process([*SHAPED_RUN, "--out-dir", out, "--epochs", 2], script=grey)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode != 0 and len(errors) == 1, proc.stderr
     assert (f"load_data gives 1 x 20 x 20 images of 5 classes, but the checkpoint in {out} was trained on "
@@ -320,12 +323,15 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
     """The README's load_data for image folders: the ._ files and checkpoints left out and counted, every mode
     read, the test images of each class labelled as in training though class_3 has none; then a plain
     ImageFolder on the same folders, which would shift class_4 to class_9 down by one, is refused on 2 ranks
-    before any training, and so is --evaluate of the trained checkpoint with it."""
+    before any training, and so is --evaluate of the trained checkpoint with it (in one process)."""
     hidden = len(list((messy_folder / "train" / "class_0").glob("._*"))) + 1
     n_test = sum(1 for _ in (messy_folder / "test").glob("*/*.png"))
     out = tmp_path / "run"
     readme = adapted_script(tmp_path / "readme", load_data=readme_load_data("image folders"))
-    proc = run_adapted(readme, [*FOLDER_RUN, "--epochs", 1, "--data-dir", messy_folder, "--out-dir", out])
+    # the reader is the point: one process, in this one (its files read by a loader worker on 2 ranks:
+    # e2e/test_diagnostics.py)
+    proc = run_in_process([*FOLDER_RUN, "--epochs", 1, "--workers", 0, "--data-dir", messy_folder,
+                           "--out-dir", out], script=readme, check=True)
     assert f"{messy_folder}/train: left out {hidden} hidden files (names that start with '.'" in proc.stdout
     assert (f"Data: ImageFolderSplit of {messy_folder}/train: 600 training and {n_test} test images of "
             f"3 x 28 x 28, 10 classes" in proc.stdout)
@@ -333,11 +339,12 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
     assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == n_test < 200
 
     plain = adapted_script(tmp_path / "plain", load_data=PLAIN_FOLDER_LOAD_DATA)
-    for args, source in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"],
-                          "the training split's"),
-                         (["--evaluate", "--out-dir", out, "--timeout", 60],
-                          "the checkpoint's training split's")):
-        refused = run_adapted(plain, args, check=False)
+    for args, source, nproc in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"],
+                                 "the training split's", 2),
+                                (["--evaluate", "--out-dir", out, "--timeout", 60],
+                                 "the checkpoint's training split's", 1)):
+        refused = (run_adapted(plain, args, check=False) if nproc == 2
+                   else run_in_process(args, script=plain))
         assert refused.returncode != 0 and "Training started" not in refused.stdout
         assert_one_line(refused.stdout + refused.stderr, f"error: the test split's classes are not {source}: "
                                                          "it lacks 'class_3', so its labels would name other "

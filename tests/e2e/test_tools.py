@@ -17,7 +17,7 @@ def test_benchmark_runs_and_scaling_plot(tmp_path):
         ddp_options = ["--static-graph", "--bucket-cap-mb", 1] if n == 2 else []
         proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4,
                        "--warmup", 2, "--device", "cpu", "--json", path, *ddp_options],
-                      nproc=n, script="bench.py")
+                      nproc=n, torchrun=n > 1, script="bench.py")  # 1: plain python
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
         assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, "
                          r"exposed comm "
