@@ -271,14 +271,18 @@ STARTED = []  # processes start() launched: conftest's kill_leftovers ends them 
 
 
 def kill_all(proc):
-    """kill -9 of a launcher and its ranks (torchrun starts each rank in a session of its own)."""
-    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    for pid in [proc.pid] + [int(p) for p in ranks]:
+    """kill -9 of a launcher and its ranks (torchrun starts each rank in a session of its own); returns once
+    each has exited (the ranks, whose launcher is gone, may stay zombies until init reaps them)."""
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                            text=True).stdout.split()]
+    for pid in [proc.pid, *ranks]:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     proc.wait()
+    wait_for(lambda: all(processes().get(pid, ("Z",))[0] in ("Z", "X") for pid in ranks), timeout=60,
+             what="the killed ranks to exit")
 
 
 def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):

@@ -240,16 +240,19 @@ def test_image_folder_loader_yields_every_sample_once_per_epoch(tmp_path, png_fo
     assert record["1"][0]["ids"] != record["2"][0]["ids"]
 
 
-# 600 / 32: 19 steps per epoch, the last short; dropout and a loader worker, so RNG and loader state matter.
+# 600 / 32: 19 steps per epoch, the last short; dropout, so that the RNG state matters; a loader worker per rank.
 FOLDER_RUN = [*TINY, "--batch-size", 32, "--epochs", 2, "--dropout", 0.1, "--workers", 1, "--loader", "torch",
               "--device", "cpu", "--log-every", 0]
 
 
 def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exactly(tmp_path, png_folder):
+    """The training, its stop and its resume in one process, in this one, reading the files itself (the
+    resume's exactness is the point; loader workers change nothing: e2e/test_stop_signals.py); the evaluation
+    on 3 ranks, each with a loader worker that reads the files."""
     script = adapted_script(tmp_path / "code", load_data=FOLDER_LOAD_DATA)
-    run = [*FOLDER_RUN, "--data-dir", png_folder]
+    run = [*FOLDER_RUN, "--data-dir", png_folder, "--workers", 0]
     reference = tmp_path / "reference"
-    proc = run_adapted(script, [*run, "--out-dir", reference])
+    proc = run_in_process([*run, "--out-dir", reference], script=script, check=True)
     assert (": 600 training and 200 test images of 1 x 28 x 28, 10 classes; per-channel mean (0.286,)"
             in proc.stdout)
     metrics = read_jsonl(reference / "metrics.jsonl")
@@ -259,28 +262,27 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
     # uninterrupted run, bit for bit.
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()
-    stopped = run_adapted(script, [*run, "--out-dir", out], check=False,
-                          env={"DDP_STOP_FILE": str(stop_file)})
-    assert stopped.returncode != 0 and "Stop requested (stop file" in stopped.stdout
+    stop_env = {"DDP_STOP_FILE": str(stop_file)}
+    stopped = run_in_process([*run, "--out-dir", out], script=script, env=stop_env)
+    assert stopped.returncode == 75 and "Stop requested (stop file" in stopped.stdout
     assert load_model_state(out)["progress"]["position"] == 320  # 10 steps of 32: mid-epoch
     stop_file.unlink()
-    resumed = run_adapted(script, [*run, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
+    resumed = run_in_process([*run, "--out-dir", out], script=script, env=stop_env, check=True)
     assert "and 320 samples (10 steps) of the next." in resumed.stdout
     got, want = load_model_state(out), load_model_state(reference)
     for key, value in want["model"].items():
         assert torch.equal(got["model"][key], value), key
     assert read_jsonl(out / "metrics.jsonl")[-1]["val_acc"] == metrics[-1]["val_acc"]
 
-    # Exact evaluation on another world size (3, which does not divide 200): each image once, the same score
-    # as the 2 ranks' in training.
-    run_adapted(script, ["--evaluate", "--out-dir", reference, "--timeout", 120], nproc=3)
+    # Exact evaluation on another world size (3, which does not divide 200), the files read by a loader worker
+    # per rank: each image once, the same score as in training.
+    run_adapted(script, ["--evaluate", "--out-dir", reference, "--workers", 1, "--timeout", 120], nproc=3)
     result = read_json(reference / "eval.json")
     assert result["val_count"] == 200 and result["val_acc"] == metrics[-1]["val_acc"]
 
     # A Dataset is read by the DataLoader's workers: --loader gpu, which holds the data on the device, refuses
     # it.
-    refused = launch([*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], torchrun=False, script=script,
-                     env=ADAPTED_ENV, check=False)
+    refused = run_in_process([*run, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], script=script)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
     assert (refused.returncode != 0 and len(errors) == 1
             and "--loader gpu needs the data in memory" in errors[0])

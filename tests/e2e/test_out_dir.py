@@ -10,7 +10,8 @@ import socket
 import subprocess
 import time
 
-from support import TINY, assert_one_line, kill_all, read_jsonl, run_in_process, start, text, wait_for
+from support import (TINY, assert_one_line, kill_all, launcher_and_ranks, paused, read_jsonl, run_in_process,
+                     start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 # 1600 / 32 = 50 steps per epoch.
@@ -23,13 +24,14 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_killed_run_does_not_loc
     run = [*TINY_SYNTH, "--train-size", 4000, "--test-size", 20, "--batch-size", 16, "--epochs", 2,
            "--workers", 0, "--out-dir", out, "--log-every", 10]
     proc, log = start(run, nproc=2)
-    wait_for(lambda: "step 10/" in text(log), what="the first run to train")
+    wait_for(lambda: "step 10/" in text(log) or proc.poll() is not None, what="the first run to train")
     owner = json.loads((out / "run.lock").read_text())
-    second = run_in_process([*run, "--epochs", 3])
+    with paused(launcher_and_ranks(proc)):  # still running, however fast the machine, until killed
+        second = run_in_process([*run, "--epochs", 3])
+        kill_all(proc)  # kill -9 of torchrun and both ranks: no cleanup runs
     assert second.returncode == 2
     assert f"is in use by another run (host {socket.gethostname()}, pid {owner['pid']}" in second.stderr
     assert "use another --out-dir" in second.stderr and "Resumed" not in second.stdout
-    kill_all(proc)  # kill -9 of torchrun and both ranks: no cleanup runs
     assert (out / "run.lock").exists()
     third = run_in_process(run, check=True)  # one process: the lock is the point
     assert (f"note: took over {out}/run.lock from host {socket.gethostname()}, pid {owner['pid']}"

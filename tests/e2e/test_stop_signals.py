@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from support import (CKPT_RUN, TINY, assert_same_weights, every_process, launch, load_model_state, paused,
-                     processes, start, text, wait_for)
+                     processes, run_in_process, start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -29,7 +29,8 @@ def test_ctrl_c_checkpoints_and_a_second_one_quits_at_once(tmp_path):
     assert "Stop requested (SIGINT) in epoch 1 after step" in out and "Traceback" not in out
     step = load_model_state(tmp_path / "once")["progress"]["step"]
     assert step % 10 == 0 and step >= 20
-    resumed = launch([*run, "--out-dir", tmp_path / "once"], torchrun=False)
+    # the same command, in this process (without the worker, which changes nothing: test below)
+    resumed = run_in_process([*run, "--workers", 0, "--out-dir", tmp_path / "once"], check=True)
     assert (f"({step} steps) of the next" in resumed.stdout
             and "Training completed successfully." in resumed.stdout)
 
@@ -69,9 +70,9 @@ def test_ctrl_c_under_torchrun_reaches_every_rank_and_they_stop_together_with_a_
 
 @pytest.fixture(scope="module")
 def uninterrupted_one_rank(tmp_path_factory):
-    """CKPT_RUN uninterrupted in one plain python process (conftest's `uninterrupted`: on 2 ranks)."""
+    """CKPT_RUN uninterrupted in one process, this one (conftest's `uninterrupted`: on 2 ranks)."""
     out = tmp_path_factory.mktemp("one_rank") / "run"
-    launch([*CKPT_RUN, "--out-dir", out], torchrun=False)
+    run_in_process([*CKPT_RUN, "--out-dir", out], check=True)
     return load_model_state(out)
 
 
@@ -127,6 +128,9 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)
     progress = load_model_state(out)["progress"]
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2
-    resumed = launch(run, nproc=nproc, torchrun=nproc > 1)
+    # The same command; in one process, in this one, without the workers (they change nothing: the
+    # uninterrupted runs have none).
+    resumed = (launch(run, nproc=nproc) if nproc > 1
+               else run_in_process([*run, "--workers", 0], check=True))
     assert f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done" in resumed.stdout
     assert_same_weights(out, reference)

@@ -90,8 +90,9 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
 
 def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     out, reference = small_fs / "run", small_fs.parent / "reference"
-    # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first.
-    run = [*RUN, "--train-size", 3200, "--batch-size", 64, "--widen-factor", 2,
+    # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first;
+    # 30 steps, so checkpoints at steps 10 and 20, then the epoch's end.
+    run = [*RUN, "--train-size", 1920, "--batch-size", 64, "--widen-factor", 2,
            "--checkpoint-every", 10, "--epochs", 1]
     run_in_process([*run, "--out-dir", reference], check=True)
     args = [*run, "--out-dir", out]
@@ -107,7 +108,7 @@ def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     assert (progress["epoch"], progress["step"]) == (0, 10), line
     assert_nothing_half_written(out)
     filler.unlink()
-    resumed = launch(args, torchrun=False)
+    resumed = run_in_process(args, check=True)
     assert "and 640 samples (10 steps) of the next." in resumed.stdout
     assert (without_timing(read_jsonl(out / "metrics.jsonl"))
             == without_timing(read_jsonl(reference / "metrics.jsonl")))
