@@ -1,6 +1,6 @@
-"""pytest's fixtures and hooks, nothing else: the library the tests import is support.py. This file
-puts the repository root (train_ddp.py and its modules) and tests/ (support.py) on sys.path, so that
-`from support import ...` works from tests/unit/, tests/e2e/ and tests/gpu/ alike."""
+"""pytest's fixtures and hooks (the files' order), nothing else: the library the tests import is support.py.
+This file puts the repository root (train_ddp.py and its modules) and tests/ (support.py) on sys.path, so
+that `from support import ...` works from tests/unit/, tests/e2e/ and tests/gpu/ alike."""
 import os
 import subprocess
 import sys
@@ -14,6 +14,19 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
 
 from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
                      made_once, write_cifar100)
+
+
+# The files that take longest, first (seconds on a fresh clone, 2026-11-26: the Slurm jobs 527, much of it
+# waiting on Slurm's clock; adapt 279; training_run 189): the two pytest-xdist workers take files in this order,
+# so these do not start last and leave one worker running alone at the end.
+LONGEST_FIRST = ("test_slurm_jobs.py", "test_adapt.py", "test_training_run.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = os.path.basename(str(item.fspath))
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: each file's tests keep their order
 
 
 @pytest.fixture(autouse=True)

@@ -83,8 +83,9 @@ def run_in_process(args, env=None, check=False, script=None) -> subprocess.Compl
         train_ddp = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(train_ddp)
     argv = [str(a) for a in args]
-    workers = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--workers"]
-    assert workers[-1:] in ([], ["0"]), "loader workers need a process of their own: launch()"
+    workers = [a.split("=", 1)[1] if "=" in a else following
+               for a, following in zip(argv, [*argv[1:], ""]) if a.split("=", 1)[0] == "--workers"]
+    assert workers[-1:] == ["0"], "give --workers 0: loader workers need a process of their own (launch())"
     saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     os.environ.update(env or {})
     os.chdir(ROOT)

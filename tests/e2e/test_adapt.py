@@ -240,15 +240,17 @@ def test_image_folder_loader_yields_every_sample_once_per_epoch(tmp_path, png_fo
     assert record["1"][0]["ids"] != record["2"][0]["ids"]
 
 
-# 600 / 32: 19 steps per epoch, the last short; dropout, so that the RNG state matters; a loader worker per rank.
+# 600 / 32: 19 steps per epoch, the last short; dropout, so that the RNG state matters; a loader worker per rank
+# where launched (the runs in the test's process give --workers 0).
 FOLDER_RUN = [*TINY, "--batch-size", 32, "--epochs", 2, "--dropout", 0.1, "--workers", 1, "--loader", "torch",
               "--device", "cpu", "--log-every", 0]
 
 
 def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exactly(tmp_path, png_folder):
-    """The training, its stop and its resume in one process, in this one, reading the files itself (the
-    resume's exactness is the point; loader workers change nothing: e2e/test_stop_signals.py); the evaluation
-    on 3 ranks, each with a loader worker that reads the files."""
+    """The training, its stop and its resume in one process, in this one, reading the files itself; the
+    evaluation on 3 ranks, each with a loader worker that reads the files. (A Dataset of files stopped
+    mid-epoch and resumed exactly on 2 ranks, a loader worker each: e2e/test_diagnostics.py's skipped
+    samples.)"""
     script = adapted_script(tmp_path / "code", load_data=FOLDER_LOAD_DATA)
     run = [*FOLDER_RUN, "--data-dir", png_folder, "--workers", 0]
     reference = tmp_path / "reference"
@@ -330,8 +332,8 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
     n_test = sum(1 for _ in (messy_folder / "test").glob("*/*.png"))
     out = tmp_path / "run"
     readme = adapted_script(tmp_path / "readme", load_data=readme_load_data("image folders"))
-    # the reader is the point: one process, in this one (its files read by a loader worker on 2 ranks:
-    # e2e/test_diagnostics.py)
+    # the reader is the point: one process, in this one (the same reader's files read by a loader worker on
+    # 2 ranks, trained on, stopped and resumed: e2e/test_diagnostics.py's skipped samples)
     proc = run_in_process([*FOLDER_RUN, "--epochs", 1, "--workers", 0, "--data-dir", messy_folder,
                            "--out-dir", out], script=readme, check=True)
     assert f"{messy_folder}/train: left out {hidden} hidden files (names that start with '.'" in proc.stdout
@@ -343,7 +345,7 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
     plain = adapted_script(tmp_path / "plain", load_data=PLAIN_FOLDER_LOAD_DATA)
     for args, source, nproc in (([*FOLDER_RUN, "--data-dir", messy_folder, "--out-dir", tmp_path / "plain"],
                                  "the training split's", 2),
-                                (["--evaluate", "--out-dir", out, "--timeout", 60],
+                                (["--evaluate", "--out-dir", out, "--timeout", 60, "--workers", 0],
                                  "the checkpoint's training split's", 1)):
         refused = (run_adapted(plain, args, check=False) if nproc == 2
                    else run_in_process(args, script=plain))

@@ -88,7 +88,7 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert "Validation Accuracy: " in proc.stdout
     # --test-size chooses what --evaluate scores (a longer share of the test set, say); training may not
     # change it.
-    run_in_process(["--evaluate", "--out-dir", out, "--test-size", 5], check=True)
+    run_in_process(["--evaluate", "--out-dir", out, "--test-size", 5, "--workers", 0], check=True)
     assert read_json(out / "eval.json")["val_count"] == 5
     refused = run_in_process([*run, "--epochs", 2, "--out-dir", out, "--test-size", 5])
     assert (refused.returncode != 0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from support import TINY, assert_one_line, launch, load_model_state, read_jsonl, run_in_process
+from support import TINY, assert_one_line, launch, load_model_state, read_jsonl
 from test_adapt import adapted_script, readme_load_data, run_adapted
 
 PHASES = ("data", "compute", "sync", "optimizer", "other")
@@ -159,11 +159,8 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     for path in bad:
         open(path, "wb").close()  # empty files
     run = [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--skip-bad-samples", 2]
-    # The counts and the resume in one process, in this one, reading the files itself (the skips in a loader
-    # worker and on 2 ranks: the run over the limit, below).
-    here = [*run, "--workers", 0]
     reference = tmp_path / "reference"
-    whole = run_in_process([*here, "--out-dir", reference], script=folder_script, check=True)
+    whole = run_adapted(folder_script, [*run, "--out-dir", reference])
     for row in read_jsonl(reference / "metrics.jsonl"):
         assert row["skipped_samples"] == 2 and row["train_samples"] == 318
     skipped = sorted(line.split(" (", 1)[0] for line in whole.stdout.splitlines()
@@ -174,12 +171,12 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     # Stopped at the first check (step 10 of 20) and resumed: the same samples skipped, the same weights.
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()
-    stop_env = {"DDP_STOP_FILE": str(stop_file)}
-    stopped = run_in_process([*here, "--out-dir", out], script=folder_script, env=stop_env)
+    stopped = run_adapted(folder_script, [*run, "--out-dir", out], check=False,
+                          env={"DDP_STOP_FILE": str(stop_file)})
     assert ("Stop requested (stop file" in stopped.stdout
             and load_model_state(out)["progress"]["position"] == 160)
     stop_file.unlink()
-    resumed = run_in_process([*here, "--out-dir", out], script=folder_script, env=stop_env, check=True)
+    resumed = run_adapted(folder_script, [*run, "--out-dir", out], env={"DDP_STOP_FILE": str(stop_file)})
     assert [row["skipped_samples"] for row in read_jsonl(out / "metrics.jsonl")] == [2, 2]
     got, want = load_model_state(out), load_model_state(reference)
     for key, value in want["model"].items():

@@ -25,6 +25,7 @@ def test_a_second_run_on_a_busy_out_dir_is_refused_and_a_killed_run_does_not_loc
            "--workers", 0, "--out-dir", out, "--log-every", 10]
     proc, log = start(run, nproc=2)
     wait_for(lambda: "step 10/" in text(log) or proc.poll() is not None, what="the first run to train")
+    assert proc.poll() is None, text(log)
     owner = json.loads((out / "run.lock").read_text())
     with paused(launcher_and_ranks(proc)):  # still running, however fast the machine, until killed
         second = run_in_process([*run, "--epochs", 3])

@@ -85,17 +85,15 @@ def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
 
 def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     out = tmp_path / "run"
-    proc = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
-                   "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY],
-                  nproc=2)
+    run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32, "--epochs", 6,
+           "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY]
+    proc = launch(run, nproc=2)
     assert proc.stdout.count("Target accuracy reached. Early stopping after epoch 2.") == 1
     summary = read_json(out / "summary.json")
     assert (summary["stopped_early"] is True and summary["epochs_completed"] == 2
             and summary["finished"] is True)
-    # Resuming a finished run trains nothing more.
-    again = launch(["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32,
-                    "--epochs", 6, "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY],
-                   nproc=2)
+    # Resuming a finished run trains nothing more (nothing to run on several ranks: in this process).
+    again = run_in_process(run, check=True)
     assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
 
 
@@ -109,7 +107,8 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     state = load_model_state(out)["model"]
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)  # unwrapped from compile and DDP
     WideResNet(10, 1, 100).load_state_dict(state)
-    evaluated = run_in_process([*common, "--evaluate"], check=True)  # no compile, another world size
+    # another world size (1 process); compiled too (--evaluate takes the checkpoint's flags), so launched
+    evaluated = launch([*common, "--evaluate"], torchrun=False)
     acc = float(re.search(r"Validation Accuracy: ([\d.]+)", evaluated.stdout).group(1))
     # The same weights; compiled and eager kernels may round differently, enough to flip one near-tie.
     assert acc == pytest.approx(read_jsonl(out / "metrics.jsonl")[-1]["val_acc"], abs=1 / 50 + 1e-9)

@@ -57,11 +57,12 @@ def test_a_lock_from_another_node_is_refused_unless_stale_or_an_earlier_attempt_
 
 
 def test_a_lock_on_this_host_is_refused_while_its_process_lives_and_taken_over_once_it_is_gone(tmp_path):
-    """Gone as soon as it has exited: killed and not yet reaped (a zombie, as a run's ranks are after a kill -9
-    of them and their launcher, until init reaps them), its lock is taken over."""
+    """Gone as soon as it has exited: killed and not yet reaped (a zombie, as a run's ranks are after a
+    kill -9 of them and their launcher, until init reaps them), its lock is taken over; reaped, too."""
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        write_lock(tmp_path, host_name(), 0, pid=alive.pid, started=process_start(alive.pid))
+        started = process_start(alive.pid)
+        write_lock(tmp_path, host_name(), 0, pid=alive.pid, started=started)
         with pytest.raises(UserError) as e:
             OutDirLock(str(tmp_path)).acquire()
         assert f"pid {alive.pid}" in str(e.value) and "\n" not in str(e.value)
@@ -72,6 +73,11 @@ def test_a_lock_on_this_host_is_refused_while_its_process_lives_and_taken_over_o
         lock = OutDirLock(str(tmp_path)).acquire()  # the same record, its process gone
     finally:
         alive.wait()
+    assert f"its process {alive.pid} is gone" in lock.note
+    lock.release()
+    # and once reaped: no such process at all
+    write_lock(tmp_path, host_name(), 0, pid=alive.pid, started=started)  # the same record
+    lock = OutDirLock(str(tmp_path)).acquire()
     assert f"its process {alive.pid} is gone" in lock.note
     assert json.loads((tmp_path / OutDirLock.NAME).read_text())["token"] == lock.me["token"]
     lock.release()
