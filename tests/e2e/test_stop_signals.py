@@ -28,7 +28,9 @@ def test_ctrl_c_checkpoints_and_a_second_one_quits_at_once(tmp_path):
     out = text(log)
     assert "Stop requested (SIGINT) in epoch 1 after step" in out and "Traceback" not in out
     step = load_model_state(tmp_path / "once")["progress"]["step"]
-    assert step % 10 == 0 and step >= 20
+    # At a check (every 10 steps), the first after the signal: step 10's own, if the signal came between its
+    # line and its check (on a loaded machine it can), or a later one.
+    assert step % 10 == 0 and step >= 10
     # the same command, in this process (without the worker, which changes nothing: test below)
     resumed = run_in_process([*run, "--workers", 0, "--out-dir", tmp_path / "once"], check=True)
     assert (f"({step} steps) of the next" in resumed.stdout
