@@ -274,9 +274,8 @@ STARTED = []  # processes start() launched: conftest's kill_leftovers ends them 
 def kill_all(proc):
     """kill -9 of a launcher and its ranks (torchrun starts each rank in a session of its own); returns once
     each has exited (the ranks, whose launcher is gone, may stay zombies until init reaps them)."""
-    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                            text=True).stdout.split()]
-    for pid in [proc.pid, *ranks]:
+    launcher, *ranks = launcher_and_ranks(proc)
+    for pid in [launcher, *ranks]:
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -319,6 +318,15 @@ def processes() -> dict:
             continue
         table[int(stat.split("/")[2])] = (state, int(ppid), int(sid))
     return table
+
+
+def command_line(pid: int) -> bytes:
+    """The process's command line, NUL-separated as /proc keeps it; empty if it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def children(pid: int) -> list:

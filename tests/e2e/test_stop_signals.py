@@ -11,8 +11,8 @@ import signal
 import pytest
 import torch
 
-from support import (CKPT_RUN, TINY, assert_same_weights, every_process, launch, load_model_state, paused,
-                     processes, run_in_process, start, text, wait_for)
+from support import (CKPT_RUN, TINY, assert_same_weights, command_line, every_process, launch,
+                     load_model_state, paused, processes, run_in_process, start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -82,11 +82,7 @@ def loader_workers(pids) -> int:
     """How many of `pids` are DataLoader workers: forked by a rank's forkserver (whose command line they
     keep), so a forkserver process whose parent is one too."""
     def forkserver(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"multiprocessing.forkserver" in f.read()
-        except OSError:
-            return False
+        return b"multiprocessing.forkserver" in command_line(pid)
     table = processes()
     return sum(forkserver(pid) and forkserver(table[pid][1]) for pid in pids if pid in table)
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from support import children, descendants, processes
+from support import children, command_line, descendants, processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -113,14 +113,6 @@ def alive(pid: int) -> bool:
 def session_members(sid: int) -> list:
     """The live processes of session `sid` (the launched script and whatever it started)."""
     return [pid for pid, (state, _, s) in processes().items() if s == sid and state != "Z"]
-
-
-def command_line(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def dataloader_workers(pid: int) -> int:
