@@ -25,6 +25,11 @@ set -uo pipefail
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL's flight recorder
 
+# One thread per CPU the task was given: without torchrun (which sets 1 for several ranks) torch starts a
+# thread per core of the node in each task where Slurm binds none, and the node's tasks fight for them.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+echo "=== threads per task: $OMP_NUM_THREADS (OMP_NUM_THREADS)"
+
 # Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
 # each task to one GPU by default, which would leave every rank asking for GPU local_rank).
 run_requeueable srun --kill-on-bad-exit=1 --gpu-bind=none "${LAUNCH[@]}" \

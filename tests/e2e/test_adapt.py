@@ -116,7 +116,9 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
                                     "num_classes": 10}
     assert ckpt["model"]["conv1.weight"].shape[1] == 1 and ckpt["model"]["fc.weight"].shape[0] == 10
 
-    ev = run_adapted(script, ["--evaluate", "--out-dir", out, "--timeout", 120])
+    # on another world size, 1 process (in this one)
+    ev = run_in_process(["--evaluate", "--out-dir", out, "--timeout", 120, "--workers", 0], script=script,
+                        check=True)
     assert ("Evaluating" in ev.stdout
             and "(WRN-10-1 with 10 classes, 3 of 3 epochs trained) on 10000 test images" in ev.stdout)
     result = read_json(out / "eval.json")

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from support import ROOT, TINY, launch, read_json, read_jsonl, require_package, run_in_process
+from support import (ROOT, TINY, launch, read_json, read_jsonl, require_package, run_in_process,
+                     threads_per_rank)
 
 # 256 samples / 32 = 8 steps per epoch.
 SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
@@ -113,7 +114,7 @@ def test_tensorboard_logs_every_epoch_metric_as_a_scalar(tmp_path):
     require_package("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     out = tmp_path / "run"
-    launch([*SMALL, "--out-dir", out, "--tensorboard"], torchrun=False)
+    run_in_process([*SMALL, "--out-dir", out, "--tensorboard"], check=True)  # the records, not the process
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     rows = read_jsonl(out / "metrics.jsonl")
@@ -148,7 +149,7 @@ def test_progress_is_one_live_line_on_a_terminal(tmp_path):
     args = [str(a) for a in [*SMALL, "--epochs", 1, "--train-size", 640, "--out-dir", tmp_path / "run"]]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_ddp.py"), *args], cwd=ROOT,
                             stdout=slave, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+                            env={**os.environ, "OMP_NUM_THREADS": threads_per_rank(1)})
     os.close(slave)
     chunks = []
     while True:

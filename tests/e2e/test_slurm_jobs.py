@@ -51,10 +51,12 @@ def slurm():
 
 def sbatch(script, tmp_path, sbatch_args, train_args, env=None):
     """Submit jobs/<script> as a user would, from the project directory, with `env` exported to the
-    job (sbatch passes the submitting environment on); returns (job id, log path)."""
+    job (sbatch passes the submitting environment on); returns (job id, log path). The job's threads are its
+    own (srun_direct.sh: one per CPU of the task) unless `env` names them: OMP_NUM_THREADS is not passed on
+    from here."""
     log = tmp_path / f"{script}.log"
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-           **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"], **(env or {})}
     cmd = ["sbatch", "--parsable", f"--output={log}", f"--error={log}", *SMALL_NODE, *sbatch_args,
            os.path.join("jobs", script), *map(str, train_args)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -199,6 +201,8 @@ def test_srun_direct_without_torchrun(slurm, tmp_path):
     assert summary["world_size"] == 2 and summary["processes_per_node"] == 2 and summary["finished"] is True
     # Without torchrun, RANK comes from SLURM_PROCID after start-up: still one log line, not one per task.
     assert read(log).count("Training started with 2 processes across 1 nodes.") == 1
+    # A thread per CPU of the task (--cpus-per-task=1), not one per core of the node in each task.
+    assert "=== threads per task: 1 (OMP_NUM_THREADS)" in read(log)
 
 
 @pytest.fixture
@@ -347,7 +351,10 @@ def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command
     assert "DUE TO TIME LIMIT" in read(log)
     assert_ended_with_a_checkpoint(job, log, out, "TIMEOUT")
     (again_dir := tmp_path / "again").mkdir()
-    again, again_log = sbatch("srun_direct.sh", again_dir, limit, train, env=threads)
+    # The same command, with room to finish: on a busy machine the rest of the run can take more than a
+    # minute (it did), and the limit would end it again.
+    roomy = [a for a in limit if a != "--time=1"]  # SMALL_NODE's 15 minutes
+    again, again_log = sbatch("srun_direct.sh", again_dir, roomy, train, env=threads)
     assert wait_job(again, again_log) == "COMPLETED", read(again_log)
     assert "Resumed from" in read(again_log) and "Training completed successfully." in read(again_log)
     assert_same_weights(out, signal_reference)
@@ -433,12 +440,12 @@ def test_master_address_that_does_not_answer_fails_within_the_timeout(slurm, tmp
     assert "all checks passed" not in check_text
 
 
-def test_scaling_job_benchmarks_each_size_and_plots(slurm, tmp_path, monkeypatch):
-    monkeypatch.setenv("PER_GPU_BATCH", "16")
-    monkeypatch.setenv("SCALING_DIR", str(tmp_path / "results"))
+def test_scaling_job_benchmarks_each_size_and_plots(slurm, tmp_path):
+    # one thread per process: torchrun sets it for 2 ranks, not for the 1-GPU size
+    env = {"PER_GPU_BATCH": "16", "SCALING_DIR": str(tmp_path / "results"), "OMP_NUM_THREADS": "1"}
     job, log = sbatch("scaling.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
                       ["--", "--depth", 10, "--widen-factor", 1, "--steps", 3, "--warmup", 1,
-                       "--device", "cpu"])
+                       "--device", "cpu"], env=env)
     assert wait_job(job, log) == "COMPLETED", read(log)
     results = {f: read_json(tmp_path / "results" / f) for f in ("1x1.json", "1x2.json", "2x2.json")}
     assert [r["world_size"] for r in results.values()] == [1, 2, 4]

@@ -102,13 +102,16 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     # 200 images in batches of 64: a smaller last batch, in training and in evaluation.
     common = ["--dataset", "synthetic", "--train-size", 200, "--test-size", 50, "--batch-size", 64,
               "--epochs", 1, "--out-dir", out, *TINY]
-    trained = launch([*common, "--compile"], nproc=2)
+    # Inductor compiles the kernels in each rank's own process, not in a pool of more interpreters (one per
+    # core, each importing torch): the same kernels, without 4 more imports of torch on a 2-core machine.
+    one_compiler = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    trained = launch([*common, "--compile"], nproc=2, env=one_compiler)
     assert "Training completed successfully." in trained.stdout
     state = load_model_state(out)["model"]
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)  # unwrapped from compile and DDP
     WideResNet(10, 1, 100).load_state_dict(state)
     # another world size (1 process); compiled too (--evaluate takes the checkpoint's flags), so launched
-    evaluated = launch([*common, "--evaluate"], torchrun=False)
+    evaluated = launch([*common, "--evaluate"], torchrun=False, env=one_compiler)
     acc = float(re.search(r"Validation Accuracy: ([\d.]+)", evaluated.stdout).group(1))
     # The same weights; compiled and eager kernels may round differently, enough to flip one near-tie.
     assert acc == pytest.approx(read_jsonl(out / "metrics.jsonl")[-1]["val_acc"], abs=1 / 50 + 1e-9)
