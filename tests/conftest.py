@@ -13,7 +13,7 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
         sys.path.insert(0, path)
 
 from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
-                     made_once, write_cifar100)
+                     made_once, run_in_process, write_cifar100)
 
 
 # The files that take longest, first (seconds on a fresh clone, 2026-11-26: the Slurm jobs 527, much of it
@@ -65,9 +65,11 @@ def uninterrupted(uninterrupted_run):
 def accumulation_run(tmp_path_factory):
     """accumulation_run(ranks): the out-dir of an uninterrupted ACCUM_RUN on that many ranks (global
     batch 64, micro-batches of 16: 4 ranks x 1, 2 x 2, 1 x 4 accumulation steps), and its output;
-    each run once per session (tests/e2e/test_accumulation.py, test_resume.py). Read only."""
+    each run once per session (tests/e2e/test_accumulation.py, test_resume.py); 1 rank in the test's process
+    (plain python: no process group, the same math). Read only."""
     def make(ranks, folder):
-        proc = launch([*ACCUM_RUN, "--out-dir", folder / "run"], nproc=ranks)
+        args = [*ACCUM_RUN, "--out-dir", folder / "run"]
+        proc = launch(args, nproc=ranks) if ranks > 1 else run_in_process(args, check=True)
         (folder / "stdout").write_text(proc.stdout)
 
     def run(ranks):

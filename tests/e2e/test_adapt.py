@@ -386,6 +386,8 @@ def test_build_model_and_model_config_alone_adapt_to_another_model(tmp_path, lea
     ckpt = load_model_state(out)
     assert ckpt["model_config"] == {"name": "SmallCNN", "in_channels": 3, "num_classes": 100}
     assert "conv1.weight" not in ckpt["model"] and ckpt["model"]["9.weight"].shape == (100, 32)
-    ev = run_adapted(script, ["--evaluate", "--out-dir", out, "--data-dir", learnable_dir])
+    # on another world size, 1 process (in this one)
+    ev = run_in_process(["--evaluate", "--out-dir", out, "--data-dir", learnable_dir, "--workers", 0],
+                        script=script, check=True)
     assert f"Evaluating {out}/checkpoint.pt (SmallCNN with 100 classes, 3 of 3 epochs trained)" in ev.stdout
     assert read_json(out / "eval.json")["val_acc"] == metrics[-1]["val_acc"]

@@ -10,14 +10,27 @@ import pytest
 from support import ROOT, launch, read_json, require_package
 
 
-def test_benchmark_runs_and_scaling_plot(tmp_path):
+@pytest.fixture(scope="module")
+def bench_one_process(tmp_path_factory):
+    """bench.py in one plain process, without --json, run in a folder of its own: (its folder, its output)."""
+    cwd = tmp_path_factory.mktemp("bench")
+    proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32, "--steps", 4, "--warmup", 2,
+                   "--device", "cpu"], torchrun=False, script="bench.py", cwd=cwd)
+    return cwd, proc
+
+
+def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
     results = []
     for n in (1, 2):
         path = tmp_path / f"bench-{n}.json"
-        ddp_options = ["--static-graph", "--bucket-cap-mb", 1] if n == 2 else []
-        proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 32 * n, "--steps", 4,
-                       "--warmup", 2, "--device", "cpu", "--json", path, *ddp_options],
-                      nproc=n, torchrun=n > 1, script="bench.py")  # 1: plain python
+        if n == 1:  # plain python, its JSON where it writes it by default
+            cwd, proc = bench_one_process
+            (written,) = os.listdir(cwd / "runs" / "bench")
+            path.write_bytes((cwd / "runs" / "bench" / written).read_bytes())
+        else:
+            proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 64, "--steps", 4,
+                           "--warmup", 2, "--device", "cpu", "--json", path, "--static-graph",
+                           "--bucket-cap-mb", 1], nproc=2, script="bench.py")
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
         assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, "
                          r"exposed comm "
@@ -59,17 +72,16 @@ def test_benchmark_cpu_checks_alone_runs_the_small_config_and_reports_both_check
     assert "ours" not in result  # the checks alone, not the GPU benchmark on a CPU
 
 
-def test_bench_writes_its_json_to_runs_bench_by_default_which_git_ignores(tmp_path):
+def test_bench_writes_its_json_to_runs_bench_by_default_which_git_ignores(bench_one_process):
     """Without --json, bench.py writes runs/bench/bench-<device>-<world size>x.json under the directory
     it runs in; in the project directory, git ignores that."""
-    proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 16, "--steps", 2, "--warmup", 1,
-                   "--device", "cpu"], torchrun=False, script="bench.py", cwd=tmp_path)
-    written = os.listdir(tmp_path / "runs" / "bench")
+    cwd, proc = bench_one_process
+    written = os.listdir(cwd / "runs" / "bench")
     assert len(written) == 1 and re.fullmatch(r"bench-\w+-1x\.json", written[0]), written
-    result = read_json(tmp_path / "runs" / "bench" / written[0])
-    assert result["world_size"] == 1 and result["config"]["batch_size"] == 16
+    result = read_json(cwd / "runs" / "bench" / written[0])
+    assert result["world_size"] == 1 and result["config"]["batch_size"] == 32
     assert f"wrote {os.path.join('runs', 'bench', written[0])}" in proc.stdout
-    assert sorted(os.listdir(tmp_path)) == ["runs"], proc.stdout  # nothing else, anywhere else here
+    assert sorted(os.listdir(cwd)) == ["runs"], proc.stdout  # nothing else, anywhere else here
     ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", f"runs/bench/{written[0]}"],
                              capture_output=True, text=True)
     if ignored.returncode != 128:  # 128: not a git checkout
