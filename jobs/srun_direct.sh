@@ -27,8 +27,20 @@ job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL'
 
 # One thread per CPU the task was given: without torchrun (which sets 1 for several ranks) torch starts a
 # thread per core of the node in each task where Slurm binds none, and the node's tasks fight for them.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
-echo "=== threads per task: $OMP_NUM_THREADS (OMP_NUM_THREADS)"
+# srun (Slurm >= 22.05) no longer takes --cpus-per-task from the job: SRUN_CPUS_PER_TASK passes it on.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
+fi
+if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
+    threads_from="OMP_NUM_THREADS, set before the job"
+elif [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK
+    threads_from="--cpus-per-task $SLURM_CPUS_PER_TASK"
+else
+    export OMP_NUM_THREADS=1
+    threads_from="no --cpus-per-task given: 1"
+fi
+echo "=== threads per task: $OMP_NUM_THREADS ($threads_from)"
 
 # Every task sees all of its node's GPUs, so that LOCAL_RANK picks the GPU (some clusters bind
 # each task to one GPU by default, which would leave every rank asking for GPU local_rank).

@@ -202,7 +202,7 @@ def test_srun_direct_without_torchrun(slurm, tmp_path):
     # Without torchrun, RANK comes from SLURM_PROCID after start-up: still one log line, not one per task.
     assert read(log).count("Training started with 2 processes across 1 nodes.") == 1
     # A thread per CPU of the task (--cpus-per-task=1), not one per core of the node in each task.
-    assert "=== threads per task: 1 (OMP_NUM_THREADS)" in read(log)
+    assert "=== threads per task: 1 (--cpus-per-task 1)" in read(log)
 
 
 @pytest.fixture
