@@ -118,6 +118,11 @@ NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 # that two jobs sharing a node do not collide.
 MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | head -n 1)
 MASTER_PORT=$((20000 + ${SLURM_JOB_ID:-0} % 20000))
+# srun inside the job gets the job's CPUs per task: since Slurm 22.05 it no longer takes --cpus-per-task from
+# sbatch, and a task bound to 1 CPU would run torchrun, its ranks and their loader workers on that one CPU.
+if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
+    export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
+fi
 
 # A collective that times out on NCCL (a rank hung or gone) makes every rank dump its flight recorder: its
 # last collectives, which ones completed, and where it waited, into the out-dir's nccl_trace/, one file per

@@ -27,10 +27,7 @@ job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL'
 
 # One thread per CPU the task was given: without torchrun (which sets 1 for several ranks) torch starts a
 # thread per core of the node in each task where Slurm binds none, and the node's tasks fight for them.
-# srun (Slurm >= 22.05) no longer takes --cpus-per-task from the job: SRUN_CPUS_PER_TASK passes it on.
-if [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then
-    export SRUN_CPUS_PER_TASK="${SRUN_CPUS_PER_TASK:-$SLURM_CPUS_PER_TASK}"
-fi
+# (lib.sh passes --cpus-per-task on to srun.)
 if [[ -n "${OMP_NUM_THREADS:-}" ]]; then
     threads_from="OMP_NUM_THREADS, set before the job"
 elif [[ -n "${SLURM_CPUS_PER_TASK:-}" ]]; then

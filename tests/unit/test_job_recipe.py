@@ -1,7 +1,9 @@
 """Presets in Python (--recipe NAME, RECIPES in config.py): wrn-paper is the WRN paper's recipe, carried
-to its batch, and the job scripts run it by name; flags given on the command line win whatever their order;
---help lists each preset and what it sets; with no --recipe the defaults stay the original script's smoke
-run."""
+to its batch, and the job scripts run it by name (and pass their CPUs per task on to srun); flags given on
+the command line win whatever their order; --help lists each preset and what it sets; with no --recipe the
+defaults stay the original script's smoke run."""
+import subprocess
+
 import pytest
 
 from machinery.cli import parse_flags
@@ -93,3 +95,15 @@ def test_data_dir_sets_the_data_and_the_container_binds_the_data_and_an_out_dir_
     lines = source({}, "--out-dir", "runs/x")  # no DATA_DIR: train_ddp.py's ./datasets; inside the project
     assert lines[:2] == ["--recipe", "wrn-paper"] and len(lines) == 3
     assert lines[-1] == f"LAUNCH apptainer exec --nv --bind {ROOT} --pwd {ROOT} /images/pytorch.sif"
+
+
+@pytest.mark.parametrize("env,passed_on", [({"SLURM_CPUS_PER_TASK": "8"}, "8"), ({}, ""),
+                                           ({"SLURM_CPUS_PER_TASK": "8", "SRUN_CPUS_PER_TASK": "4"}, "4")])
+def test_every_job_passes_its_cpus_per_task_on_to_srun(env, passed_on):
+    """Since Slurm 22.05 srun does not take --cpus-per-task from the job: jobs/lib.sh exports it as
+    SRUN_CPUS_PER_TASK (one the user set wins; none without --cpus-per-task)."""
+    out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && '
+                                        'printf "%s" "${SRUN_CPUS_PER_TASK:-}"'],
+                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True,
+                         check=True).stdout
+    assert out == passed_on
