@@ -61,7 +61,6 @@ def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_
 @pytest.mark.parametrize("flags,out", [(["--epochs", "3", "--out-dir", "{tmp}/a"], "{tmp}/a"),
                                        (["--out-dir={tmp}/b", "--epochs", "3"], "{tmp}/b")])
 def test_the_job_scripts_point_nccl_s_flight_recorder_at_the_out_dir_on_gpu_nodes(tmp_path, flags, out):
-    import subprocess
     flags, out = [f.format(tmp=tmp_path) for f in flags], out.format(tmp=tmp_path)
     script = (f'source {ROOT}/jobs/lib.sh >/dev/null; flight_recorder "$@"; '
               'echo "$TORCH_NCCL_DUMP_ON_TIMEOUT|$TORCH_FR_DUMP_TEMP_FILE|$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"')
@@ -75,7 +74,6 @@ def test_the_job_scripts_point_nccl_s_flight_recorder_at_the_out_dir_on_gpu_node
 
 
 def test_data_dir_sets_the_data_and_the_container_binds_the_data_and_an_out_dir_outside_the_project(tmp_path):
-    import subprocess
     data, out = tmp_path / "data", tmp_path / "scratch" / "run"
     data.mkdir()
     script = (f'source {ROOT}/jobs/lib.sh >/dev/null; printf "%s\\n" "${{RECIPE[@]}}"; '
