@@ -20,14 +20,13 @@ def bench_one_process(tmp_path_factory):
 
 
 def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
-    results = []
+    results, paths = [], []
     for n in (1, 2):
-        path = tmp_path / f"bench-{n}.json"
         if n == 1:  # plain python, its JSON where it writes it by default
             cwd, proc = bench_one_process
-            (written,) = os.listdir(cwd / "runs" / "bench")
-            path.write_bytes((cwd / "runs" / "bench" / written).read_bytes())
+            (path,) = (cwd / "runs" / "bench").iterdir()
         else:
+            path = tmp_path / "bench-2.json"
             proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 64, "--steps", 4,
                            "--warmup", 2, "--device", "cpu", "--json", path, "--static-graph",
                            "--bucket-cap-mb", 1], nproc=2, script="bench.py")
@@ -37,6 +36,7 @@ def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
                          + (r"[\d.]+ ms$" if n == 2 else r"n/a$"), proc.stdout, re.M)
         assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
         results.append(read_json(path))
+        paths.append(str(path))
     assert [r["world_size"] for r in results] == [1, 2]
     assert results[1]["config"]["static_graph"] and results[1]["config"]["bucket_cap_mb"] == 1
     assert results[0]["ours"]["phases"]["exposed_comm_s"] is None  # one rank: no communication
@@ -46,7 +46,7 @@ def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
     assert results[0]["ours"]["mfu"] is None  # no peak for CPUs
     require_package("matplotlib")
     import plot
-    fig = plot.plot_scaling([str(tmp_path / "bench-1.json"), str(tmp_path / "bench-2.json")], str(tmp_path))
+    fig = plot.plot_scaling(paths, str(tmp_path))
     ax, ax2 = fig["scaling.png"].axes
     assert len(ax.get_lines()) == 2 and len(ax2.get_lines()) == 1  # measured, ideal; efficiency
     assert list(ax.get_lines()[0].get_xdata()) == [1, 2]
