@@ -76,8 +76,9 @@ def get_args_parser():
     p = config.get_args_parser()
     p.description, p.formatter_class = __doc__.split("\n")[0], HelpFormatter
     p.epilog = ("train_ddp.py's flags make the step timed as they make training's, on synthetic data in "
-                "memory (--dataset synthetic only): those of files and evaluation (--data-dir, --out-dir, "
-                "--evaluate, --tensorboard, ...) do nothing here. Defaults unlike train_ddp.py's: --depth, "
+                "memory (--dataset synthetic only; --train-size: how many, 0 for CIFAR-100's 50,000): "
+                "those of files and evaluation (--data-dir, --out-dir, --evaluate, --tensorboard, ...) do "
+                "nothing here. Defaults unlike train_ddp.py's: --depth, "
                 "--widen-factor, --batch-size, --workers, --loader and --dataset (their help says which); "
                 "--profile is bench.py's own.")
     for action in p._actions:
@@ -249,6 +250,12 @@ def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
     return {f"{name}_s": statistics.mean(s) if s else None for name, s in phases.items()}
 
 
+def bench_images(args) -> du.ImageData:
+    """The synthetic training images the steps draw from and the augmentation epoch covers: CIFAR-100's
+    50,000 unless --train-size says how many."""
+    return du.make_synthetic(args.train_size or 50_000, train=True)
+
+
 def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
     """The data as build_training takes them: --steps whole steps of training images (one timed epoch; fewer
     if `data` holds fewer; whole, so that compile sees one shape), and test images (unused), measured."""
@@ -289,7 +296,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
                   "fwd_bwd with DDP minus fwd_bwd under no_sync); left out: the stop check every 10 steps, "
                   "and an epoch's start and end")
     flops = flops_per_image(training.model, device, cfg.amp_dtype, cuda)
-    # One full epoch of augmentation on one device (all 50,000 images, this rank's batch size).
+    # One full epoch of augmentation on one device (all of bench_images, this rank's batch size).
     one = dataclasses.replace(cfg, flags={**cfg.flags, "batch_size": cfg.per_rank_batch, "seed": 0},
                               accumulation_steps=1, eval_batch=cfg.per_rank_batch, num_workers=0)
     everything, _, _ = du.build_loaders(utils.CheckedData(data, checked.test, checked.spec, {}, device), one,
@@ -301,8 +308,8 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
         pass
     aug_epoch_s = clock.seconds(t0, clock.mark())
     return {"step_s": step_s, "what": "train_ddp.train_one_epoch on build_training's Training: an epoch of "
-            "`steps` steps, its start and end included (several epochs past 50,000 images), after `warmup` "
-            "untimed steps", "steps": args.steps, "warmup": args.warmup, "accum_steps": accum,
+            "`steps` steps, its start and end included (several epochs past the training images' count), "
+            "after `warmup` untimed steps", "steps": args.steps, "warmup": args.warmup, "accum_steps": accum,
             "phases": phases, "augment_epoch_s": aug_epoch_s, "augment_epoch_images": len(data.labels),
             "flops_per_image": flops, "peak_memory_gib": peak_memory}
 
@@ -409,7 +416,7 @@ def main(args):
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
                   "amp_dtype": str(cfg.amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
         if args.augment_share:
-            result["augment_share"] = augment_share(args, env, du.make_synthetic(50_000, train=True))
+            result["augment_share"] = augment_share(args, env, bench_images(args))
         elif args.cpu_checks:
             log(f"cpu checks: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size}, {args.rounds} "
                 f"rounds (about two minutes on 2 cores with the defaults)")
@@ -417,7 +424,7 @@ def main(args):
             result["cpu_checks"] = cpu_checks(args, cfg, env, TrainSteps)
             report_cpu_checks(result["cpu_checks"], time.perf_counter() - t0)
         else:
-            data = du.make_synthetic(50_000, train=True)  # CIFAR-100's training set size
+            data = bench_images(args)
             checked = bench_data(args, cfg, env, data)
             peak, peak_note = peak_flops(device, cfg.amp_dtype)
             ours = bench_ours(args, env, cfg, checked, data)

@@ -445,11 +445,12 @@ def test_scaling_job_benchmarks_each_size_and_plots(slurm, tmp_path):
     env = {"PER_GPU_BATCH": "16", "SCALING_DIR": str(tmp_path / "results"), "OMP_NUM_THREADS": "1"}
     job, log = sbatch("scaling.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
                       ["--", "--depth", 10, "--widen-factor", 1, "--steps", 3, "--warmup", 1,
-                       "--device", "cpu"], env=env)
+                       "--device", "cpu", "--train-size", 1024], env=env)
     assert wait_job(job, log) == "COMPLETED", read(log)
     results = {f: read_json(tmp_path / "results" / f) for f in ("1x1.json", "1x2.json", "2x2.json")}
     assert [r["world_size"] for r in results.values()] == [1, 2, 4]
     assert [r["config"]["batch_size"] for r in results.values()] == [16, 32, 64]  # fixed per-GPU batch
+    assert all(r["ours"]["augment_epoch_images"] == 1024 for r in results.values())  # the extra flags, each
     assert (tmp_path / "results" / "scaling.png").stat().st_size > 10_000
 
 

@@ -27,18 +27,22 @@ def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
             (path,) = (cwd / "runs" / "bench").iterdir()
         else:
             path = tmp_path / "bench-2.json"
+            # --train-size: fewer synthetic images than CIFAR-100's 50,000, the augmentation epoch's too
             proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 64, "--steps", 4,
                            "--warmup", 2, "--device", "cpu", "--json", path, "--static-graph",
-                           "--bucket-cap-mb", 1], nproc=2, script="bench.py")
+                           "--bucket-cap-mb", 1, "--train-size", 4096], nproc=2, script="bench.py")
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
         assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, "
                          r"exposed comm "
                          + (r"[\d.]+ ms$" if n == 2 else r"n/a$"), proc.stdout, re.M)
-        assert re.search(r"^augmentation of one 50000-image epoch on one cpu: [\d.]+ ms$", proc.stdout, re.M)
+        images = 50000 if n == 1 else 4096
+        assert re.search(rf"^augmentation of one {images}-image epoch on one cpu: [\d.]+ ms$", proc.stdout,
+                         re.M)
         results.append(read_json(path))
         paths.append(str(path))
     assert [r["world_size"] for r in results] == [1, 2]
     assert results[1]["config"]["static_graph"] and results[1]["config"]["bucket_cap_mb"] == 1
+    assert [r["ours"]["augment_epoch_images"] for r in results] == [50000, 4096]
     assert results[0]["ours"]["phases"]["exposed_comm_s"] is None  # one rank: no communication
     assert results[1]["ours"]["phases"]["exposed_comm_s"] is not None
     # WRN-10-1: 12.5M multiply-adds forward (2 FLOPs each), and the backward pass costs about twice that.
