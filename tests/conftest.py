@@ -17,10 +17,10 @@ from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_
 
 
 # The files that take longest, first (seconds on a fresh clone, 2026-11-26: the Slurm jobs 527, much of it
-# waiting on Slurm's clock; adapt 279; training_run 189; on a slower machine 607, 474, 344, and diagnostics
-# 362): the pytest-xdist workers take files in this order, so these do not start last and leave one worker
-# running alone at the end.
-LONGEST_FIRST = ("test_slurm_jobs.py", "test_adapt.py", "test_diagnostics.py", "test_training_run.py")
+# waiting on Slurm's clock; adapt 279; training_run 189; on a slower machine 624, 472 and 364): the two
+# pytest-xdist workers take files in this order, so these do not start last and leave one worker running alone
+# at the end.
+LONGEST_FIRST = ("test_slurm_jobs.py", "test_adapt.py", "test_training_run.py")
 
 
 def pytest_collection_modifyitems(items):
