@@ -69,7 +69,6 @@ def run_in_process(args, env=None, check=False, script=None) -> subprocess.Compl
     are read), where a fresh interpreter (3 CPU-seconds of imports) proves nothing more. Returns what
     launch() returns (returncode, stdout, stderr); `check`: raise if it failed, as launch() does; `script`: a
     copy of train_ddp.py to run instead (an adapted one: tests/e2e/test_adapt.py)."""
-    import contextlib
     import faulthandler
     import importlib.util
     import tempfile

@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, load_model_state, read_jsonl,
-                     run_in_process, text, wait_for)
+from support import (ROOT, STARTED, TINY, TORCHRUN, assert_close_models, launcher_and_ranks, load_model_state,
+                     read_jsonl, run_in_process, text, wait_for)
 
 # 2400 samples, global batch 60: 40 steps per epoch, a checkpoint every 5 of them. Epochs of a few
 # seconds leave time for a second agent to start (a few seconds of imports) while the run is going on.
@@ -62,8 +62,7 @@ def wait_for_store(port):
 
 
 def kill_agent_and_ranks(proc):
-    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    for pid in [proc.pid, *map(int, ranks)]:
+    for pid in launcher_and_ranks(proc):
         os.kill(pid, signal.SIGKILL)
     proc.wait()
 

@@ -11,13 +11,12 @@ import subprocess
 import sys
 import time
 
-from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, load_model_state, run_in_process,
-                     start, text, wait_for)
+from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, launcher_and_ranks, load_model_state,
+                     run_in_process, start, text, wait_for)
 
 
 def workers_of(proc):
-    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    return sorted(int(p) for p in out)
+    return sorted(launcher_and_ranks(proc)[1:])
 
 
 def test_killed_rank_restarts_and_ends_with_identical_weights(tmp_path, uninterrupted):

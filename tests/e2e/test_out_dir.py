@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import time
 
 from support import (TINY, assert_one_line, kill_all, launcher_and_ranks, paused, read_jsonl, run_in_process,
@@ -47,8 +46,7 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     common = [*RUN, "--checkpoint-every", 5, "--timeout", 90]
     first, first_log = start([*common, "--out-dir", out], nproc=2)
     wait_for(lambda: (out / "checkpoint.pt").exists(), what="the first checkpoint")
-    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(first.pid)],
-                                            capture_output=True, text=True).stdout.split()]
+    ranks = launcher_and_ranks(first)[1:]
     for pid in ranks:  # paused between two checkpoints, while the second run starts and takes the lock
         os.kill(pid, signal.SIGSTOP)
     os.unlink(out / "run.lock")  # as the busy-out-dir message invites, when a run "is surely gone"
