@@ -78,9 +78,8 @@ def get_args_parser():
     p.epilog = ("train_ddp.py's flags make the step timed as they make training's, on synthetic data in "
                 "memory (--dataset synthetic only; --train-size: how many, 0 for CIFAR-100's 50,000): "
                 "those of files and evaluation (--data-dir, --out-dir, --evaluate, --tensorboard, ...) do "
-                "nothing here. Defaults unlike train_ddp.py's: --depth, "
-                "--widen-factor, --batch-size, --workers, --loader and --dataset (their help says which); "
-                "--profile is bench.py's own.")
+                "nothing here. Defaults unlike train_ddp.py's: --depth, --widen-factor, --batch-size, "
+                "--workers, --loader and --dataset (their help says which); --profile is bench.py's own.")
     for action in p._actions:
         if (dest := action.dest) in BENCH_DEFAULTS:
             shape = f"{SHAPE_DEFAULTS.get(dest)}; {CPU_CHECK_DEFAULTS.get(dest)} with --cpu-checks"
