@@ -94,7 +94,7 @@ def get_args_parser():
     add("--compare-original", action="store_true", help="also time the original script's pipeline (PIL "
         "transforms in DataLoader workers, fp16, no channels_last, no compile), same device, same run")
     add("--cpu-checks", action="store_true", help="augmentation per core, and the loop's overhead against a "
-        "bare loop (WRN-10-1, batch 64 unless given)")
+        "bare loop (WRN-10-1, batch 64 unless given; on images of its own: --train-size does nothing there)")
     add("--rounds", type=int, default=200,
         help="--cpu-checks: rounds of the loop-overhead check, one step of each loop per round")
     add("--profile", action="store_true", help="--cpu-checks: also profile a few steps of each loop "
