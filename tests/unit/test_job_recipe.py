@@ -15,6 +15,14 @@ def parse(argv):
     return parse_flags(get_args_parser(), RECIPES, argv)
 
 
+def run_lib_sh(commands: str, *args, env: dict) -> subprocess.CompletedProcess:
+    """`commands` run by bash after jobs/lib.sh is sourced (its own output dropped), as in a job script given
+    `args`; in `env` alone, with the project's venv on PATH and PROJECT_DIR set."""
+    return subprocess.run(["bash", "-c", f"source {ROOT}/jobs/lib.sh >/dev/null && {commands}", "job", *args],
+                          env={"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, **env},
+                          capture_output=True, text=True)
+
+
 def test_wrn_paper_is_the_wrn_papers_recipe_carried_to_its_batch():
     recipe, given = parse(["--recipe", "wrn-paper"])
     # WRN-16-8, 200 epochs, SGD with Nesterov momentum 0.9, weight decay 5e-4, LR 0.1 per 128 samples,
@@ -49,11 +57,8 @@ def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_
     for script in ("multigpu.sh", "multinode.sh", "srun_direct.sh"):
         text = open(f"{ROOT}/jobs/{script}").read()
         assert 'train_ddp.py "${RECIPE[@]}" "$@"' in text and 'job_preamble "$@"' in text, script
-    import subprocess  # job_preamble (lib.sh) prints the recipe, and the user's flags as they win over it
-    script = f'source {ROOT}/jobs/lib.sh >/dev/null; job_preamble "$@"'
-    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "SLURM_GPUS_ON_NODE": "0"}
-    out = subprocess.run(["bash", "-c", script, "job", "--epochs", "3"], env=env, capture_output=True,
-                         text=True)
+    # job_preamble (lib.sh) prints the recipe, and the user's flags as they win over it
+    out = run_lib_sh('job_preamble "$@"', "--epochs", "3", env={"SLURM_GPUS_ON_NODE": "0"})
     assert "=== recipe: --recipe wrn-paper " in out.stdout, out.stderr
     assert "=== arguments after the script (these win): --epochs 3" in out.stdout.splitlines(), out.stderr
 
@@ -62,27 +67,22 @@ def test_the_job_scripts_run_the_wrn_paper_preset_by_name_with_the_user_s_flags_
                                        (["--out-dir={tmp}/b", "--epochs", "3"], "{tmp}/b")])
 def test_the_job_scripts_point_nccl_s_flight_recorder_at_the_out_dir_on_gpu_nodes(tmp_path, flags, out):
     flags, out = [f.format(tmp=tmp_path) for f in flags], out.format(tmp=tmp_path)
-    script = (f'source {ROOT}/jobs/lib.sh >/dev/null; flight_recorder "$@"; '
+    script = ('flight_recorder "$@"; '
               'echo "$TORCH_NCCL_DUMP_ON_TIMEOUT|$TORCH_FR_DUMP_TEMP_FILE|$TORCH_NCCL_DEBUG_INFO_TEMP_FILE"')
-    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "SLURM_GPUS_ON_NODE": "4"}
-    got = subprocess.run(["bash", "-c", script, "job", *flags], env=env, capture_output=True, text=True)
+    got = run_lib_sh(script, *flags, env={"SLURM_GPUS_ON_NODE": "4"})
     assert got.stdout.splitlines()[-1] == f"1|{out}/nccl_trace/rank_|{out}/nccl_trace/rank_", got.stderr
     assert (tmp_path / out.rsplit("/", 1)[1] / "nccl_trace").is_dir()
-    cpu = subprocess.run(["bash", "-c", script, "job", *flags], env={**env, "SLURM_GPUS_ON_NODE": "0"},
-                         capture_output=True, text=True)
+    cpu = run_lib_sh(script, *flags, env={"SLURM_GPUS_ON_NODE": "0"})
     assert cpu.stdout.splitlines()[-1] == "||"  # no GPUs granted: NCCL is not used
 
 
 def test_data_dir_sets_the_data_and_the_container_binds_the_data_and_an_out_dir_outside_the_project(tmp_path):
     data, out = tmp_path / "data", tmp_path / "scratch" / "run"
     data.mkdir()
-    script = (f'source {ROOT}/jobs/lib.sh >/dev/null; printf "%s\\n" "${{RECIPE[@]}}"; '
-              f'echo "LAUNCH ${{LAUNCH[*]}}"')
-    env = {"PATH": f"{ROOT}/.venv/bin:/usr/bin:/bin", "PROJECT_DIR": ROOT, "CONTAINER": "/images/pytorch.sif"}
+    script = 'printf "%s\\n" "${RECIPE[@]}"; echo "LAUNCH ${LAUNCH[*]}"'
 
     def source(extra_env, *flags):
-        got = subprocess.run(["bash", "-c", script, "job", *flags], env={**env, **extra_env},
-                             capture_output=True, text=True)
+        got = run_lib_sh(script, *flags, env={"CONTAINER": "/images/pytorch.sif", **extra_env})
         return got.stdout.splitlines()
     lines = source({"DATA_DIR": str(data)}, "--epochs", "3", "--out-dir", str(out))
     # the user's --data-dir would follow
@@ -100,8 +100,5 @@ def test_data_dir_sets_the_data_and_the_container_binds_the_data_and_an_out_dir_
 def test_every_job_passes_its_cpus_per_task_on_to_srun(env, passed_on):
     """Since Slurm 22.05 srun does not take --cpus-per-task from the job: jobs/lib.sh exports it as
     SRUN_CPUS_PER_TASK (one the user set wins; none without --cpus-per-task)."""
-    out = subprocess.run(["bash", "-c", 'PROJECT_DIR=. source jobs/lib.sh >/dev/null && '
-                                        'printf "%s" "${SRUN_CPUS_PER_TASK:-}"'],
-                         cwd=ROOT, env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True,
-                         check=True).stdout
-    assert out == passed_on
+    got = run_lib_sh('printf "%s" "${SRUN_CPUS_PER_TASK:-}"', env=env)
+    assert got.returncode == 0 and got.stdout == passed_on, got.stderr
