@@ -12,7 +12,7 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch, load_model_state,  # noqa: E402
+from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch_forked, load_model_state,  # noqa: E402
                      made_once, run_in_process, write_cifar100)
 
 
@@ -53,7 +53,7 @@ def uninterrupted_run(tmp_path_factory):
     test_stop_signals.py, test_ddp_math.py's loaders); its metrics too (test_resume.py's exact resume). Read
     only."""
     return made_once(tmp_path_factory, "uninterrupted",
-                     lambda folder: launch([*CKPT_RUN, "--out-dir", folder / "run"], nproc=2)) / "run"
+                     lambda folder: launch_forked([*CKPT_RUN, "--out-dir", folder / "run"], nproc=2)) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +70,7 @@ def accumulation_run(tmp_path_factory):
     (plain python: no process group, the same math). Read only."""
     def make(ranks, folder):
         args = [*ACCUM_RUN, "--out-dir", folder / "run"]
-        proc = launch(args, nproc=ranks) if ranks > 1 else run_in_process(args, check=True)
+        proc = launch_forked(args, nproc=ranks) if ranks > 1 else run_in_process(args, check=True)
         (folder / "stdout").write_text(proc.stdout)
 
     def run(ranks):

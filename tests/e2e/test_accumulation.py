@@ -4,8 +4,8 @@ summation order), a last step that leaves a rank nothing included. (A resume on 
 more accumulation steps: test_resume.py; the split itself: tests/unit/test_sampler.py.)"""
 import pytest
 
-from support import (ACCUM_N_TRAIN, ACCUM_RUN, assert_close_models, launch, load_model_state, read_jsonl,
-                     run_in_process)
+from support import (ACCUM_N_TRAIN, ACCUM_RUN, assert_close_models, launch_forked, load_model_state,
+                     read_jsonl, run_in_process)
 
 
 def test_ranks_times_accumulation_steps_constant_gives_the_same_training(accumulation_run):
@@ -33,7 +33,7 @@ def test_a_last_step_that_leaves_a_rank_nothing_trains_the_same_as_accumulation(
     micro-batch; it still joins the gradient all-reduce, with zero, and the update is the mean
     over that one sample, as with 1 rank x 2 accumulation steps."""
     run = [*ACCUM_RUN, "--train-size", 129, "--micro-batch", 32, "--epochs", 1]
-    launch([*run, "--out-dir", tmp_path / "two"], nproc=2)
+    launch_forked([*run, "--out-dir", tmp_path / "two"], nproc=2)
     run_in_process([*run, "--out-dir", tmp_path / "one"], check=True)
     assert_close_models(load_model_state(tmp_path / "two"), load_model_state(tmp_path / "one"))
     for ranks in ("one", "two"):

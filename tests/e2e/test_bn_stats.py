@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from support import launch
+from support import launch_forked
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bn_stats  # noqa: E402
@@ -15,7 +15,7 @@ import dataset_utils as du  # noqa: E402
 
 def test_recomputed_bn_stats_on_two_uneven_ranks_are_those_of_all_samples_on_every_rank(tmp_path):
     n, batch = 37, 5  # 19 and 18 samples: the ranks' shards and their last batches differ in size
-    launch([tmp_path, n, batch], nproc=2, script="tests/scripts/bn_stats.py")
+    launch_forked([tmp_path, n, batch], nproc=2, script="tests/scripts/bn_stats.py")
     # the reference: the conv's outputs for all 37 images at once, their mean and variance
     with torch.no_grad():
         features = bn_stats.model()[0](

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from model import WideResNet
-from support import (CKPT_RUN, SCRIPTS, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process,
-                     write_cifar100)
+from support import (CKPT_RUN, SCRIPTS, TINY, launch_forked, load_model_state, read_json, read_jsonl,
+                     run_in_process, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 
@@ -20,7 +20,7 @@ def test_each_epoch_visits_every_sample_once_in_a_new_order(tmp_path, world_size
     """601 and 577 leave a short last step (with 2 ranks, 577 leaves rank 1 nothing in it)."""
     write_cifar100(str(tmp_path), n, 10, kind="index", archive=False)
     out = tmp_path / "record.json"
-    launch([tmp_path, out, 32, 3, workers], nproc=world_size, script=f"{SCRIPTS}/record_batches.py")
+    launch_forked([tmp_path, out, 32, 3, workers], nproc=world_size, script=f"{SCRIPTS}/record_batches.py")
     record = json.loads(out.read_text())
     orders = []
     for epoch in ("1", "2", "3"):
@@ -35,8 +35,8 @@ def test_each_epoch_visits_every_sample_once_in_a_new_order(tmp_path, world_size
 
 @pytest.mark.quick
 def test_ddp_step_matches_single_process_math(tmp_path):
-    launch([tmp_path / "one.pt", 64], nproc=1, script=f"{SCRIPTS}/ddp_step.py")
-    launch([tmp_path / "two.pt", 64], nproc=2, script=f"{SCRIPTS}/ddp_step.py")
+    launch_forked([tmp_path / "one.pt", 64], nproc=1, script=f"{SCRIPTS}/ddp_step.py")
+    launch_forked([tmp_path / "two.pt", 64], nproc=2, script=f"{SCRIPTS}/ddp_step.py")
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def test_evaluation_is_exact_for_any_world_size(tmp_path, learnable_dir):
     first = read_jsonl(out / "metrics.jsonl")[-1]
     assert first["val_count"] == 301 and 0.02 < first["val_acc"] < 1.0
     for n in (2, 3):
-        proc = launch(["--evaluate", "--batch-size", 6, *common], nproc=n)
+        proc = launch_forked(["--evaluate", "--batch-size", 6, *common], nproc=n)
         assert proc.stdout.count("Validation Loss:") == 1
         r = read_json(out / "eval.json")
         assert r["world_size"] == n and r["val_count"] == first["val_count"]
@@ -72,11 +72,11 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     # 3 ranks, 2 test images: rank 2 scores nothing. A DDP forward in evaluation would wait for it forever.
     run = [*TINY_SYNTH, "--train-size", 60, "--test-size", 2, "--batch-size", 6, "--epochs", 1,
            "--timeout", 60]
-    proc = launch([*run, "--out-dir", out], nproc=3, timeout=300)
+    proc = launch_forked([*run, "--out-dir", out], nproc=3, timeout=300)
     assert read_jsonl(out / "metrics.jsonl")[0]["val_count"] == 2
     # Nothing but --out-dir: the model (WRN-10-1, not the default 16-8) and the data (synthetic, not
     # CIFAR-100) come from the checkpoint; its batch 6 need not divide by the 4 ranks to evaluate.
-    ev = launch(["--evaluate", "--out-dir", out, "--timeout", 60], nproc=4, timeout=300)
+    ev = launch_forked(["--evaluate", "--out-dir", out, "--timeout", 60], nproc=4, timeout=300)
     lines = [ln for ln in ev.stdout.splitlines() if ln.strip()]
     assert lines[0] == (f"Evaluating {out}/checkpoint.pt (WRN-10-1 with 100 classes, 1 of 1 epochs trained) "
                         f"on 2 test images with 4 processes")
@@ -99,7 +99,7 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
 def test_gpu_loader_trains_exactly_like_the_torch_loader(tmp_path, uninterrupted):
     """CKPT_RUN with the data device-resident (here on the CPU) ends with the weights of conftest's
     uninterrupted run of it, which the torch DataLoader fed."""
-    launch([*CKPT_RUN, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)
+    launch_forked([*CKPT_RUN, "--out-dir", tmp_path / "gpu", "--loader", "gpu"], nproc=2)
     got = load_model_state(tmp_path / "gpu")
     for k, value in uninterrupted["model"].items():
         assert torch.equal(got["model"][k], value), k

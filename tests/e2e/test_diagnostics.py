@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from support import TINY, assert_one_line, launch, load_model_state, read_jsonl
+from support import TINY, assert_one_line, launch_forked, load_model_state, read_jsonl
 from test_adapt import adapted_script, readme_load_data, run_adapted
 
 PHASES = ("data", "compute", "sync", "optimizer", "other")
@@ -135,7 +135,7 @@ def test_unreadable_image_ends_both_ranks_in_one_line_naming_the_file(tmp_path, 
         f.write(b"not a png")
     out = tmp_path / "run"
     proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--out-dir", out],
-                       check=False)
+                       check=False, torchrun=True)
     name = "training" if split == "train" else "test"
     assert_clean_stop(proc, f"{name} sample 5 ({bad}): UnidentifiedImageError", "fix or remove the file")
     assert ("--skip-bad-samples N" in proc.stderr) == (split == "train")
@@ -147,7 +147,7 @@ def test_image_of_another_size_is_named_with_a_resize_as_the_way_out(tmp_path, f
     paths = write_png_folder(tmp_path / "data")
     Image.new("RGB", (20, 20), (90, 40, 200)).save(paths["train"][7], format="PNG")
     proc = run_adapted(folder_script, [*FOLDER_RUN, "--data-dir", tmp_path / "data",
-                                       "--out-dir", tmp_path / "run"], check=False)
+                                       "--out-dir", tmp_path / "run"], check=False, torchrun=True)
     assert_clean_stop(proc, f"training sample 7 ({paths['train'][7]}): an image of 3 x 20 x 20 uint8, "
                             f"not 3 x 16 x 16", "v2.Resize((16, 16))")
     assert "stack expects each tensor to be equal size" not in proc.stderr
@@ -186,7 +186,7 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
 
     # One more bad sample than allowed: the run stops in one line when it meets the third.
     open(paths["train"][100], "wb").close()
-    proc = run_adapted(folder_script, [*run, "--out-dir", tmp_path / "over"], check=False)
+    proc = run_adapted(folder_script, [*run, "--out-dir", tmp_path / "over"], check=False, torchrun=True)
     assert_clean_stop(proc, "more than 2 unreadable training samples this epoch (--skip-bad-samples 2; the "
                             "log names them)", "raise --skip-bad-samples")
     assert (proc.stdout.count("warning: unreadable training sample") + proc.stdout.count("warning: skipped")
@@ -209,7 +209,7 @@ def build_model(cfg, data) -> nn.Module:
 def test_model_with_an_unused_head_ends_both_ranks_in_one_line_and_trains_with_the_flag(tmp_path):
     script = adapted_script(tmp_path / "code", build_model=UNUSED_HEAD_MODEL)
     run = [*TIMED_RUN, "--epochs", 1, "--workers", 0]
-    proc = run_adapted(script, [*run, "--out-dir", tmp_path / "run"], check=False)
+    proc = run_adapted(script, [*run, "--out-dir", tmp_path / "run"], check=False, torchrun=True)
     assert_clean_stop(proc, "parameters aux_head.weight, aux_head.bias (2 tensors, 27 values) got no "
                             "gradient", "--find-unused-parameters")
     assert "Expected to have finished reduction" not in proc.stderr
@@ -222,8 +222,8 @@ def test_model_with_an_unused_head_ends_both_ranks_in_one_line_and_trains_with_t
 def test_profile_leaves_a_readable_trace_per_rank_and_training_goes_on_unchanged(tmp_path):
     run = [*TIMED_RUN, "--epochs", 1, "--workers", 0]
     plain, profiled = tmp_path / "plain", tmp_path / "profiled"
-    launch([*run, "--out-dir", plain], nproc=2)
-    proc = launch([*run, "--out-dir", profiled, "--profile"], nproc=2)
+    launch_forked([*run, "--out-dir", plain], nproc=2)
+    proc = launch_forked([*run, "--out-dir", profiled, "--profile"], nproc=2)
     assert "Profile of steps 4-8 of this run's first epoch" in proc.stdout and "aten::" in proc.stdout
     for rank in (0, 1):
         trace = json.loads((profiled / "profile" / f"rank{rank}.json").read_text())

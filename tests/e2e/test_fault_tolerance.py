@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, launcher_and_ranks, load_model_state,
-                     run_in_process, start, text, wait_for)
+from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, launch_forked, launcher_and_ranks,
+                     load_model_state, run_in_process, start, text, wait_for)
 
 
 def workers_of(proc):
@@ -35,13 +35,13 @@ def test_killed_rank_restarts_and_ends_with_identical_weights(tmp_path, uninterr
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, uninterrupted):
     out = tmp_path / "run"
-    launch([*CKPT_RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
+    launch_forked([*CKPT_RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
     latest, previous = out / "checkpoint.pt", out / "checkpoint.1.pt"
     assert load_model_state(out)["progress"]["epoch"] == 1
     data = latest.read_bytes()
     latest.write_bytes(data[: len(data) // 2])  # truncated, as by a full disk
     (out / ".checkpoint.pt.x1y2.tmp").write_bytes(data[:1000])  # a write killed halfway
-    second = launch([*CKPT_RUN, "--out-dir", out], nproc=2)
+    second = launch_forked([*CKPT_RUN, "--out-dir", out], nproc=2)
     assert "cannot be loaded" in second.stderr and f"using the older {previous}" in second.stderr
     assert "Resumed from" in second.stdout and "steps) of the next" in second.stdout  # the mid-epoch one
     assert_same_weights(out, uninterrupted)

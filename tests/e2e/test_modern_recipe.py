@@ -8,8 +8,8 @@ the recipe is refused. (The pieces in-process: tests/unit/test_modern_options.py
 import pytest
 import torch
 
-from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch, load_model_state,
-                     read_json, read_jsonl, run_in_process)
+from support import (TIMING_METRICS, TINY, assert_close_models, assert_one_line, launch_forked,
+                     load_model_state, read_json, read_jsonl, run_in_process)
 
 # 640 samples / 32 = 20 steps; a stop file present from the start stops every rank at the first check
 # (step 10).
@@ -65,7 +65,7 @@ def two_by_two(tmp_path_factory):
     def run(name):
         if name not in done:
             flags = [*ACCUM, *options(name, base)]
-            launch([*flags, "--out-dir", base / name], nproc=2)
+            launch_forked([*flags, "--out-dir", base / name], nproc=2)
             done[name] = (base / name, flags)
         return done[name]
     return run
@@ -76,7 +76,8 @@ def ema_run(tmp_path_factory):
     """RUN for 2 epochs on 2 ranks with the weight EMA (decay 0.9), and its output: scored, saved, evaluated,
     and the file --init-from starts from."""
     out = tmp_path_factory.mktemp("ema") / "run"
-    proc = launch([*RUN, "--epochs", 2, "--model-ema", "--model-ema-decay", 0.9, "--out-dir", out], nproc=2)
+    proc = launch_forked([*RUN, "--epochs", 2, "--model-ema", "--model-ema-decay", 0.9, "--out-dir", out],
+                         nproc=2)
     return out, proc.stdout
 
 
@@ -84,7 +85,7 @@ def ema_run(tmp_path_factory):
 def plain_run(tmp_path_factory):
     """The same run without the EMA (nor any other option): the original script's records."""
     out = tmp_path_factory.mktemp("plain") / "run"
-    launch([*RUN, "--epochs", 2, "--out-dir", out], nproc=2)
+    launch_forked([*RUN, "--epochs", 2, "--out-dir", out], nproc=2)
     return out
 
 
@@ -93,12 +94,12 @@ def test_each_option_stopped_mid_epoch_and_resumed_ends_bit_identical(name, two_
     reference, flags = two_by_two(name)
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()  # seen at the first check: --checkpoint-every 3 makes step 3 one
-    first = launch([*flags, "--checkpoint-every", 3, "--out-dir", out], nproc=2,
-                   env={"DDP_STOP_FILE": str(stop_file)}, check=False)
+    first = launch_forked([*flags, "--checkpoint-every", 3, "--out-dir", out], nproc=2,
+                          env={"DDP_STOP_FILE": str(stop_file)}, check=False)
     assert first.returncode != 0 and "in epoch 1 after step 3" in first.stdout, first.stdout + first.stderr
     assert load_model_state(out)["progress"]["position"] == 192
     stop_file.unlink()
-    second = launch([*flags, "--out-dir", out], nproc=2)
+    second = launch_forked([*flags, "--out-dir", out], nproc=2)
     assert "Resumed from" in second.stdout and "Initialised from" not in second.stdout
     assert_same_state(load_model_state(out), load_model_state(reference))
     assert (without_timings(read_jsonl(out / "metrics.jsonl"))
@@ -129,7 +130,7 @@ def test_weight_ema_is_updated_every_step_scored_saved_and_what_evaluate_scores(
     assert not torch.equal(ema["fc.weight"], ckpt["model"]["fc.weight"])  # an average, not the weights
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["scored"] for m in metrics] == ["model_ema"] * 2
-    launch(["--evaluate", "--out-dir", out], nproc=2)
+    launch_forked(["--evaluate", "--out-dir", out], nproc=2)
     scored = read_json(out / "eval.json")
     # the EMA, as the epoch scored it
     assert scored["val_loss"] == pytest.approx(metrics[-1]["val_loss"], rel=1e-9)

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from support import (ROOT, TINY, launch, read_json, read_jsonl, require_package, run_in_process,
-                     threads_per_rank)
+from support import (ROOT, TINY, launch, launch_forked, read_json, read_jsonl, require_package,
+                     run_in_process, threads_per_rank)
 
 # 256 samples / 32 = 8 steps per epoch.
 SMALL = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 50, "--batch-size", 32,
@@ -23,7 +23,7 @@ def two_runs(tmp_path_factory):
     """Two runs of SMALL, seeds 0 and 1: the first on 2 ranks (its log and run.json), the second, only plotted
     beside it, in one process (in this one)."""
     base = tmp_path_factory.mktemp("runs")
-    first = launch([*SMALL, "--out-dir", base / "first", "--seed", 0, "--log-every", 4], nproc=2)
+    first = launch_forked([*SMALL, "--out-dir", base / "first", "--seed", 0, "--log-every", 4], nproc=2)
     run_in_process([*SMALL, "--out-dir", base / "second", "--seed", 1, "--log-every", 4], check=True)
     return base / "first", base / "second", first.stdout
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support import (ACCUM_RUN, CKPT_RUN, TIMING_METRICS, TINY, assert_close_models, assert_same_weights,
-                     launch, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl,
+                     launch_forked, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl,
                      run_in_process, start, text, wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
@@ -27,10 +27,10 @@ def test_resume_is_exact(tmp_path, uninterrupted_run):
     workers change nothing), ends with the uninterrupted run's weights, optimizer state and metrics."""
     run = [*CKPT_RUN, "--workers", 1, "--out-dir", tmp_path / "resumed"]
     resumed = tmp_path / "resumed"
-    first = launch([*run, "--stop-after-epoch", 1], nproc=2)
+    first = launch_forked([*run, "--stop-after-epoch", 1], nproc=2)
     assert "Stopping after epoch 1" in first.stdout
     assert read_json(resumed / "summary.json")["finished"] is False
-    second = launch(run, nproc=2)
+    second = launch_forked(run, nproc=2)
     assert ("Resumed from" in second.stdout and "Epoch 1/2" not in second.stdout
             and "Epoch 2/2" in second.stdout)
 
@@ -67,7 +67,7 @@ def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, uninte
     progress = load_model_state(out)["progress"]
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2, not at an end
     stop_file.unlink()
-    second = launch([*CKPT_RUN, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
+    second = launch_forked([*CKPT_RUN, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)})
     assert (f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done, and {progress['position']} samples "
             f"({progress['step']} steps) of the next.") in second.stdout
     assert_same_weights(out, uninterrupted)
@@ -94,7 +94,7 @@ def test_resume_on_another_world_size_keeps_batch_and_schedule(tmp_path):
     assert before["progress"]["epoch"] == 1 and 0 < position < 640, before["progress"]  # mid-epoch 2
     assert before["world_size"] == 2
     stop_file.unlink()
-    second = launch([*run, "--out-dir", out], nproc=3)
+    second = launch_forked([*run, "--out-dir", out], nproc=3)
     assert "Global batch 48 = 3 ranks x 16" in second.stdout  # the same global batch, on 3 ranks
     assert ("note: 2 ranks x 1 accumulation steps x 24 before, 3 x 1 x 16 now: the same global batch"
             in second.stdout)
@@ -142,7 +142,7 @@ def test_a_run_resumed_on_fewer_ranks_keeps_the_micro_batch_and_the_trajectory(a
     """2 ranks x 16 stopped after epoch 1, resumed on 1 rank without --micro-batch: the checkpoint's
     micro-batch is kept (2 accumulation steps of 16), and the run ends where the 2-rank run ends."""
     out = tmp_path / "run"
-    launch([*ACCUM_RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
+    launch_forked([*ACCUM_RUN, "--out-dir", out, "--stop-after-epoch", 1], nproc=2)
     args = [a for a in ACCUM_RUN]
     i = args.index("--micro-batch")
     del args[i:i + 2]  # not given again: the checkpoint's micro-batch is kept
@@ -213,7 +213,7 @@ def test_a_run_that_changes_only_what_may_change_resumes(finished, tmp_path):
         (copy / name).write_bytes((out / name).read_bytes())
     args = [a if a != out else copy for a in common]
     args[args.index("--batch-size") + 1] = 20
-    proc = launch([*args, "--epochs", 2, "--base-lr", 0.02, "--workers", 1, "--log-every", 0], nproc=2)
+    proc = launch_forked([*args, "--epochs", 2, "--base-lr", 0.02, "--workers", 1, "--log-every", 0], nproc=2)
     assert ("note: resumed with changes: --batch-size 40 -> 20, --epochs 1 -> 2, --base-lr 0.01 -> 0.02"
             in proc.stdout)
     assert "Resumed from" in proc.stdout and "Epoch 2/2" in proc.stdout and "Epoch 1/2" not in proc.stdout

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch, load_model_state, paused,
-                     read_json, read_jsonl, wait_for)
+from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch_forked, load_model_state,
+                     paused, read_json, read_jsonl, wait_for)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -265,7 +265,7 @@ TRAINING = "step 5/"  # the ranks are in the training loop, where a stop signal 
 @pytest.fixture(scope="module")
 def signal_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("signal_reference") / "run"
-    launch([*job_recipe(), *SIGNAL_TRAIN, "--out-dir", out], nproc=2)
+    launch_forked([*job_recipe(), *SIGNAL_TRAIN, "--out-dir", out], nproc=2)
     return load_model_state(out)
 
 

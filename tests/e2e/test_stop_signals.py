@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from support import (CKPT_RUN, TINY, assert_same_weights, command_line, every_process, launch,
+from support import (CKPT_RUN, TINY, assert_same_weights, command_line, every_process, launch_forked,
                      load_model_state, paused, processes, run_in_process, start, text, wait_for)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
@@ -129,7 +129,7 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2
     # The same command; in one process, in this one, without the workers (they change nothing: the
     # uninterrupted runs have none).
-    resumed = (launch(run, nproc=nproc) if nproc > 1
-               else run_in_process([*run, "--workers", 0], check=True))
+    resumed = (launch_forked(run, nproc=nproc) if nproc > 1
+                      else run_in_process([*run, "--workers", 0], check=True))
     assert f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done" in resumed.stdout
     assert_same_weights(out, reference)

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from model import WideResNet
-from support import ROOT, TINY, launch, load_model_state, read_json, read_jsonl, run_in_process
+from support import ROOT, TINY, launch, launch_forked, load_model_state, read_json, read_jsonl, run_in_process
 
 
 def assert_original_script_lines(log, epochs, world_size):
@@ -87,7 +87,7 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     out = tmp_path / "run"
     run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 50, "--batch-size", 32, "--epochs", 6,
            "--target-accuracy", 0.0, "--patience", 2, "--out-dir", out, *TINY]
-    proc = launch(run, nproc=2)
+    proc = launch_forked(run, nproc=2)
     assert proc.stdout.count("Target accuracy reached. Early stopping after epoch 2.") == 1
     summary = read_json(out / "summary.json")
     assert (summary["stopped_early"] is True and summary["epochs_completed"] == 2

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launcher_and_ranks,
+from support import (TIMING_METRICS, TINY, assert_one_line, fill, launch, launch_forked, launcher_and_ranks,
                      load_model_state, paused, read_jsonl, run_in_process, start, text, wait_for)
 
 # 1600 / 32 = 50 steps per epoch: an epoch lasts a few seconds on 2 cores, time for the test to fill the disk.
@@ -25,7 +25,7 @@ def reference(tmp_path_factory):
     with; and how much epoch 2's checkpoint outgrows epoch 1's. (Under plain python: the mid-epoch test, with
     a reference of its own.)"""
     out = tmp_path_factory.mktemp("reference") / "run"
-    launch([*RUN, "--out-dir", out], nproc=2)
+    launch_forked([*RUN, "--out-dir", out], nproc=2)
     # epochs 2, 1
     growth = os.path.getsize(out / "checkpoint.1.pt") - os.path.getsize(out / "checkpoint.2.pt")
     return read_jsonl(out / "metrics.jsonl"), growth
@@ -83,7 +83,7 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
     assert_nothing_half_written(out)
 
     filler.unlink()
-    resumed = launch(args, nproc=2)
+    resumed = launch_forked(args, nproc=2)
     assert "Resumed from" in resumed.stdout and "Training completed successfully." in resumed.stdout
     assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(reference[0])
 
@@ -136,7 +136,7 @@ def test_full_disk_at_a_metrics_write_keeps_the_checkpoint_and_every_row_whole(s
     assert [m["epoch"] for m in read_jsonl(out / "metrics.jsonl")] == [1]  # the old file, whole
     assert_nothing_half_written(out)
     filler.unlink()
-    launch(args, nproc=2)  # the metrics of epoch 2 come back from the checkpoint's history
+    launch_forked(args, nproc=2)  # the metrics of epoch 2 come back from the checkpoint's history
     assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(reference[0])
 
 
