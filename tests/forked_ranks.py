@@ -146,6 +146,7 @@ def run_rank(script, argv, env, cwd, stdout_path, stderr_path, base_path) -> Non
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)  # python -u
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
                                   errors="backslashreplace")
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a fresh interpreter's signals, whatever the forkserver's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(cwd)
