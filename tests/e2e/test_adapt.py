@@ -1,7 +1,8 @@
 """Adapting the reference: another image-classification dataset is `load_data` alone, another model is
 `build_model` with `model_config` alone. Each test copies train_ddp.py, replaces exactly those
-functions (the Fashion-MNIST one with the README's own text), and runs the copy through torchrun, or in the
-test's process where neither the world size nor the process is the point (support.run_in_process)."""
+functions (the Fashion-MNIST one with the README's own text), and runs the copy on forked ranks (torchrun
+for the README's command and a refusal's ending: run_adapted), or in the test's process where neither the
+world size nor the process is the point (support.run_in_process)."""
 import gzip
 import json
 import os

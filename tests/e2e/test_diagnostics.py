@@ -1,7 +1,7 @@
 """Why is my run slow, and what broke it: each rank's split of its step time and the rank that holds the
 others back, --profile's traces, an unreadable sample and --skip-bad-samples, a model with parameters left
 out of the loss. Each test runs a copy of train_ddp.py with load_data or build_model replaced (as a user
-adapts it) through torchrun on 2 CPU ranks."""
+adapts it) on 2 CPU ranks: forked, or through torchrun where a failing run's ending is the point."""
 import json
 
 import pytest

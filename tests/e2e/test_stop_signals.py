@@ -130,6 +130,6 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     # The same command; in one process, in this one, without the workers (they change nothing: the
     # uninterrupted runs have none).
     resumed = (launch_forked(run, nproc=nproc) if nproc > 1
-                      else run_in_process([*run, "--workers", 0], check=True))
+               else run_in_process([*run, "--workers", 0], check=True))
     assert f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done" in resumed.stdout
     assert_same_weights(out, reference)
