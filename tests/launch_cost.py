@@ -1,6 +1,7 @@
 """Where a tiny test launch's seconds go: `python tests/launch_cost.py [--repeats 3]` times, from the
 project directory, each layer a test's launch adds (the interpreter, torch's import, the project's modules,
-the run under plain python, under torchrun on 2 ranks, one more epoch, loader workers), median of the
+the run under plain python, under torchrun on 2 ranks, one more epoch, loader workers; and the same 2-rank
+run on ranks forked from a warm forkserver, as support.launch_forked starts them), median of the
 repeats, one layer per line: wall seconds, and CPU seconds (the machine's busy time during the command, from
 /proc/stat: every process it starts, loader workers whose parent is not the command's included; so run it
 on an idle machine), which is what the suite's two files at a time share. Not a test: a measurement for
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from support import ROOT, TINY, TORCHRUN, threads_per_rank
+from support import ROOT, TINY, TORCHRUN, launch_forked, threads_per_rank
 
 # The suite's tiny run (support.TINY on generated data): 128 images in steps of 32, 64 scored.
 RUN = ["train_ddp.py", "--dataset", "synthetic", "--train-size", "128", "--test-size", "64",
@@ -46,6 +47,19 @@ def seconds(cmd, repeats):
     return statistics.median(times), statistics.median(cpus)
 
 
+def forked_seconds(args, repeats):
+    """The median wall and CPU seconds of support.launch_forked(args, nproc=2), each in a fresh out-dir, after
+    one untimed run that starts its forkserver (the suite starts one per test worker)."""
+    def once():
+        with tempfile.TemporaryDirectory() as out:
+            start, busy = time.perf_counter(), busy_seconds()
+            launch_forked([a.replace("OUT", out) for a in args], nproc=2)
+            return time.perf_counter() - start, busy_seconds() - busy
+    once()
+    times, cpus = zip(*(once() for _ in range(repeats)))
+    return statistics.median(times), statistics.median(cpus)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of each command; the median is shown")
@@ -66,11 +80,13 @@ def main():
          "1 epoch under torchrun, 2 ranks"),
         ("1 epoch, 2 ranks, a loader worker per loader", [*two, *run(workers=1)],
          "1 epoch under torchrun, 2 ranks"),
+        ("1 epoch, 2 ranks forked (launch_forked)", run()[1:], "1 epoch under torchrun, 2 ranks"),
     ]
     measured = {}
     print(f"{os.cpu_count()} CPUs, median of {n} runs: wall s, CPU s (+ what the line adds to the one named)")
     for name, cmd, base in layers:
-        wall, cpu = measured[name] = seconds(cmd, n)
+        forked = "forked" in name  # the script's arguments, not a command
+        wall, cpu = measured[name] = forked_seconds(cmd, n) if forked else seconds(cmd, n)
         added = (f"  (+{wall - measured[base][0]:.2f}, +{cpu - measured[base][1]:.2f} on '{base}')"
                  if base else "")
         print(f"{wall:7.2f} {cpu:7.2f}  {name}{added}", flush=True)
