@@ -9,15 +9,20 @@ the run id, restart 0), its agent store (hosted here, as torchrun's agent hosts 
 the way they do under torchrun), stdout and stderr shared by the ranks, the script run as __main__ from the
 given directory with sys.argv, sys.path and the environment a fresh interpreter would have, and at the end
 what the interpreter does at exit (the non-daemon threads joined, the atexit handlers run), without its
-teardown. It is not torchrun: tests of the launcher itself (a stop signal, a restart, a lost node, how a
-failing rank ends the others) launch torchrun (support.launch and support.start)."""
+teardown. Each rank leads a session of its own, as under torchrun, and a rank that fails ends the others'
+sessions (SIGTERM, then SIGKILL after 30 s). What a fork cannot give: the ranks share the forkserver's string
+hash seed, and what the interpreter and torch read from the environment at their start is the forkserver's
+(such variables are refused). It is not torchrun: tests of the launcher itself (a stop signal, a restart, a
+lost node, how a failing rank ends the others) launch torchrun (support.launch and support.start)."""
 from __future__ import annotations
 
 import atexit
+import ctypes
 import io
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
@@ -37,7 +42,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
 
 # Read when the interpreter or torch starts, so the forkserver's values would hold, not the test's: such runs
 # must be launched (support.launch).
-READ_AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "CUDA_", "LD_")
+READ_AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_", "CUDA_", "LD_")
 SET_PER_RUN = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 
 
@@ -97,27 +102,40 @@ def run_ranks(script: str, argv: list, *, nproc: int, env: dict, cwd: str, timeo
                     script, argv, rank_env, cwd, out, err, fresh_sys_path()))
                 process.start()
                 ranks.append(process)
-            if not wait_for_ranks(ranks, timeout=timeout):
-                raise subprocess.TimeoutExpired([script, *map(str, argv)], timeout)
+            finished = wait_for_ranks(ranks, timeout=timeout)
         finally:
+            signal_sessions([r for r in ranks if r.exitcode is None], signal.SIGKILL)
             for rank in ranks:
-                if rank.exitcode is None:
-                    rank.kill()
                 rank.join()
             del store
         with open(out, errors="replace") as f, open(err, errors="replace") as g:
-            return [rank.exitcode for rank in ranks], f.read(), g.read()
+            stdout, stderr = f.read(), g.read()
+    if not finished:  # as subprocess.run: the output so far with it
+        raise subprocess.TimeoutExpired([script, *argv], timeout, output=stdout, stderr=stderr)
+    return [rank.exitcode for rank in ranks], stdout, stderr
+
+
+def signal_sessions(ranks, signum) -> None:
+    """`signum` to each rank's session: the rank, its loader workers, their forkserver and its resource
+    tracker, as torchrun ends a rank (os.killpg)."""
+    for rank in ranks:
+        try:
+            os.killpg(rank.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def wait_for_ranks(ranks, *, timeout: float) -> bool:
-    """Until every rank has exited, or one failed and the others were ended (SIGTERM, then, after 30 s, the
-    caller's SIGKILL), as torchrun does: True; False at the timeout."""
+    """Until every rank has exited, or one failed and the others were given SIGTERM and up to 30 s to exit
+    (then the caller's SIGKILL), as torchrun does: True; False at the timeout."""
     deadline = time.monotonic() + timeout
     while (running := [r for r in ranks if r.exitcode is None]):
         if any(r.exitcode for r in ranks):
-            for r in running:
-                r.terminate()
-            multiprocessing.connection.wait([r.sentinel for r in running], timeout=30)
+            signal_sessions(running, signal.SIGTERM)
+            grace = time.monotonic() + 30
+            while (running := [r for r in running if r.exitcode is None]) and time.monotonic() < grace:
+                multiprocessing.connection.wait([r.sentinel for r in running],
+                                                timeout=grace - time.monotonic())
             return True
         if (left := deadline - time.monotonic()) <= 0:
             return False
@@ -129,9 +147,12 @@ def run_rank(script, argv, env, cwd, stdout_path, stderr_path, base_path) -> Non
     """In the forked rank: become what a fresh `python script argv` would be, run it, exit as it would."""
     # multiprocessing's view: a main process with no parent, which starts its own resource tracker and its
     # own forkserver (for its loader workers), as a rank under torchrun does; not the test worker's
+    os.setsid()  # a session of its own, as torchrun starts each rank
     me = multiprocessing.current_process()
     me._name, me._identity, me._parent_pid = "MainProcess", (), None
+    me._config.pop("tempdir", None)  # its own pymp- folder, not the test worker's
     multiprocessing.process._parent_process = None
+    multiprocessing.context._default_context._actual_context = None  # the default start method again
     tracker = multiprocessing.resource_tracker._resource_tracker
     server = multiprocessing.forkserver._forkserver
     tracker._fd = tracker._pid = None
@@ -143,9 +164,11 @@ def run_rank(script, argv, env, cwd, stdout_path, stderr_path, base_path) -> Non
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
-    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)  # python -u
-    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
-                                  errors="backslashreplace")
+    encoding, errors = sys.__stdout__.encoding, sys.__stdout__.errors  # the interpreter's, for this locale
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), encoding=encoding, errors=errors,
+                                  write_through=True)  # python -u
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), encoding=encoding,
+                                  errors="backslashreplace", write_through=True)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a fresh interpreter's signals, whatever the forkserver's
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -164,11 +187,13 @@ def run_rank(script, argv, env, cwd, stdout_path, stderr_path, base_path) -> Non
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
+    except BaseException:  # as the interpreter: the frames kept (sys.last_*) while the exit handlers run
+        sys.last_type, sys.last_value, sys.last_traceback = sys.exc_info()
         sys.excepthook(*sys.exc_info())
         code = 1
     threading._shutdown()  # what the interpreter does at exit, in its order: the non-daemon threads,
     atexit._run_exitfuncs()  # then the atexit handlers
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C's buffered stdout (a library's own prints), which os._exit drops
     os._exit(code)
