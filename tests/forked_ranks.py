@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import io
 import json
 import multiprocessing
@@ -35,6 +36,8 @@ import tempfile
 import threading
 import time
 import uuid
+
+import torch.distributed as dist
 
 # What every rank imports first, the bulk of its start-up; read by the forkserver once. The project's own
 # modules are not among them: some read the environment when imported (machinery/cifar_archive.py).
@@ -56,26 +59,20 @@ def forked_context():
     return multiprocessing.get_context("forkserver")
 
 
-def fresh_sys_path() -> list:
+@functools.cache
+def fresh_sys_path() -> tuple:
     """sys.path of `python script.py` without its first entry (the script's folder): the standard library,
     site-packages and what their .pth files add; read once."""
-    if not _base_path:
-        out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                             capture_output=True, text=True, check=True, env={
-                                 k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
-        _base_path.extend(json.loads(out))
-    return list(_base_path)
-
-
-_base_path: list = []
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                         capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
+    return tuple(json.loads(out))
 
 
 def run_ranks(script: str, argv: list, *, nproc: int, env: dict, cwd: str, timeout: float):
     """Run `script argv` on nproc forked ranks; returns (exit codes by rank, stdout, stderr). A rank that
     fails ends the others, as torchrun does; at the timeout, every rank is killed and
     subprocess.TimeoutExpired raised, as subprocess.run does."""
-    import torch.distributed as dist
-
     given = [k for k in env if k.startswith(READ_AT_START) and k not in SET_PER_RUN
              and os.environ.get(k) != env[k]]
     if given:

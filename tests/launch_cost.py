@@ -69,24 +69,25 @@ def main():
     def run(epochs=1, workers=0):
         return [*RUN, "--epochs", str(epochs), "--workers", str(workers), "--out-dir", "OUT"]
     two = [*TORCHRUN, "--standalone", "--nproc_per_node=2"]
-    # (what, command, the line it adds to)
+    # (what, how it is timed, the command or the forked ranks' arguments, the line it adds to)
     layers = [
-        ("the interpreter", [*py, "-c", "pass"], None),
-        ("import torch", [*py, "-c", "import torch"], "the interpreter"),
-        ("import train_ddp (the project's modules)", [*py, "-c", "import train_ddp"], "import torch"),
-        ("1 epoch under plain python", [*py, *run()], "import train_ddp (the project's modules)"),
-        ("1 epoch under torchrun, 2 ranks", [*two, *run()], "1 epoch under plain python"),
-        ("2 epochs under torchrun, 2 ranks", [*two, *run(epochs=2)],
+        ("the interpreter", seconds, [*py, "-c", "pass"], None),
+        ("import torch", seconds, [*py, "-c", "import torch"], "the interpreter"),
+        ("import train_ddp (the project's modules)", seconds, [*py, "-c", "import train_ddp"],
+         "import torch"),
+        ("1 epoch under plain python", seconds, [*py, *run()], "import train_ddp (the project's modules)"),
+        ("1 epoch under torchrun, 2 ranks", seconds, [*two, *run()], "1 epoch under plain python"),
+        ("2 epochs under torchrun, 2 ranks", seconds, [*two, *run(epochs=2)],
          "1 epoch under torchrun, 2 ranks"),
-        ("1 epoch, 2 ranks, a loader worker per loader", [*two, *run(workers=1)],
+        ("1 epoch, 2 ranks, a loader worker per loader", seconds, [*two, *run(workers=1)],
          "1 epoch under torchrun, 2 ranks"),
-        ("1 epoch, 2 ranks forked (launch_forked)", run()[1:], "1 epoch under torchrun, 2 ranks"),
+        ("1 epoch, 2 ranks forked (launch_forked)", forked_seconds, run()[1:],
+         "1 epoch under torchrun, 2 ranks"),
     ]
     measured = {}
     print(f"{os.cpu_count()} CPUs, median of {n} runs: wall s, CPU s (+ what the line adds to the one named)")
-    for name, cmd, base in layers:
-        forked = "forked" in name  # the script's arguments, not a command
-        wall, cpu = measured[name] = forked_seconds(cmd, n) if forked else seconds(cmd, n)
+    for name, timed, cmd, base in layers:
+        wall, cpu = measured[name] = timed(cmd, n)
         added = (f"  (+{wall - measured[base][0]:.2f}, +{cpu - measured[base][1]:.2f} on '{base}')"
                  if base else "")
         print(f"{wall:7.2f} {cpu:7.2f}  {name}{added}", flush=True)

@@ -56,9 +56,8 @@ def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env
     from `cwd` (the project directory unless told)."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc),
-                **(env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=run_env(nproc, env), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -70,10 +69,8 @@ def launch_forked(args, nproc=2, script="train_ddp.py", timeout=600, env=None, c
     already (forked_ranks.py), 15 CPU-seconds less per 2-rank run. Returns what launch() returns (the exit
     status torchrun's: 1 if a rank failed); `check`: raise if a rank failed."""
     script, argv = os.path.join(ROOT, script), [str(a) for a in args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc),
-                **(env or {})}
-    codes, stdout, stderr = forked_ranks.run_ranks(script, argv, nproc=nproc, env=full_env, cwd=cwd,
-                                                   timeout=timeout)
+    codes, stdout, stderr = forked_ranks.run_ranks(script, argv, nproc=nproc, env=run_env(nproc, env),
+                                                   cwd=cwd, timeout=timeout)
     proc = subprocess.CompletedProcess(["forked ranks", script, *argv], int(any(codes)), stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(argv)} on {nproc} forked ranks: exit codes {codes}\n"
@@ -149,6 +146,12 @@ def made_once(tmp_path_factory, name: str, make):
             make(folder)
             (folder / ".made").touch()
     return folder
+
+
+def run_env(nproc: int, env=None) -> dict:
+    """The environment of every launched run (launch, launch_forked, start): this one, unbuffered output, the
+    threads per rank, then the test's own variables."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **(env or {})}
 
 
 def threads_per_rank(nproc: int) -> str:
@@ -312,9 +315,7 @@ def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
     cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
     f = open(log, "w")
     proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1",
-                                 "OMP_NUM_THREADS": threads_per_rank(nproc),
-                                 **(env or {})}, start_new_session=True)
+                            env=run_env(nproc, env), start_new_session=True)
     STARTED.append(proc)
     return proc, log
 
