@@ -127,9 +127,10 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     assert not re.search(r'(train_ddp|train_utils|dataset_utils|machinery/\w+)\.py", line', output)
     progress = load_model_state(out)["progress"]
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2
-    # The same command; in one process, in this one, without the workers (they change nothing: the
-    # uninterrupted runs have none).
-    resumed = (launch_forked(run, nproc=nproc) if nproc > 1
-               else run_in_process([*run, "--workers", 0], check=True))
+    # The same command without the workers (they change nothing: the uninterrupted runs have none), on forked
+    # ranks, or in one process, this one.
+    without_workers = [*run, "--workers", 0]
+    resumed = (launch_forked(without_workers, nproc=nproc) if nproc > 1
+               else run_in_process(without_workers, check=True))
     assert f"Resumed from {out}/checkpoint.pt: epoch 1 of 2 done" in resumed.stdout
     assert_same_weights(out, reference)

@@ -43,7 +43,8 @@ def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
     proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")
     wait_for(lambda: when(out) or proc.poll() is not None, timeout=180, what="the moment to fill the disk")
     assert proc.poll() is None, text(log)
-    filler = fill(mount_point, leave)
+    with paused(launcher_and_ranks(proc)):  # the disk fills before the run's next write, however fast it goes
+        filler = fill(mount_point, leave)
     error_seen = None
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline:
@@ -90,8 +91,8 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
 
 def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):
     out, reference = small_fs / "run", small_fs.parent / "reference"
-    # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to fill after the first;
-    # 30 steps, so checkpoints at steps 10 and 20, then the epoch's end.
+    # WRN-10-2 at batch 64: 10 steps between checkpoints take a few seconds, time to see the first and hold the
+    # run still before the second; 30 steps, so checkpoints at steps 10 and 20, then the epoch's end.
     run = [*RUN, "--train-size", 1920, "--batch-size", 64, "--widen-factor", 2,
            "--checkpoint-every", 10, "--epochs", 1]
     run_in_process([*run, "--out-dir", reference], check=True)
