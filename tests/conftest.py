@@ -19,7 +19,7 @@ from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch_forked, load
 # Each end-to-end file's seconds on a fresh clone (2026-11-27, 8f31cce: setup, call and teardown summed, two
 # files at a time on 2 cores; the Slurm file waits on Slurm's clock, the adapt file holds the README's
 # Fashion-MNIST example). pytest-xdist's workers take the files in this order, longest first, so that the last
-# files to start are short and neither worker runs alone for long at the end: 77 s less than xdist's own order
+# files to start are short and neither worker runs alone for long at the end: 70 s less than xdist's own order
 # (by number of tests, which ran 2-test files of 2 minutes last), simulated on those times, a whole file per
 # worker as `--dist loadfile` gives them. A file not listed (the unit files, a new one) goes first: a short one
 # costs nothing there, a long one is where it should be; add a new end-to-end file's time here.

@@ -159,8 +159,10 @@ def test_skip_bad_samples_counts_them_and_a_resumed_run_skips_the_same(tmp_path,
     for path in bad:
         open(path, "wb").close()  # empty files
     run = [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--skip-bad-samples", 2]
+    # The whole run, without the loader workers: they change nothing (the stopped and resumed run below has
+    # them, and ends with this run's weights), and each would cost its rank a forkserver's start.
     reference = tmp_path / "reference"
-    whole = run_adapted(folder_script, [*run, "--out-dir", reference])
+    whole = run_adapted(folder_script, [*run, "--workers", 0, "--out-dir", reference])
     for row in read_jsonl(reference / "metrics.jsonl"):
         assert row["skipped_samples"] == 2 and row["train_samples"] == 318
     skipped = sorted(line.split(" (", 1)[0] for line in whole.stdout.splitlines()
