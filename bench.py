@@ -29,8 +29,6 @@ import contextlib
 import dataclasses
 import os
 import platform
-import re
-import statistics
 import sys
 import time
 
@@ -42,18 +40,15 @@ import config
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
+from machinery.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from machinery.cli import run_tool
 from machinery.cpu_checks import cpu_checks, report_cpu_checks
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
-from machinery.launch import read_dist_env
 from machinery.original_script import original_batches, original_steps
 from machinery.output import log
 from machinery.timing import Clock
 
-# Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
-PEAK_FLOPS = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
-              "A100": 312e12, "L40S": 362e12, "A40": 150e12, "V100": 125e12}
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
 SHAPE_DEFAULTS = {"depth": 16, "widen_factor": 8, "batch_size": 512}
 CPU_CHECK_DEFAULTS = {"depth": 10, "widen_factor": 1, "batch_size": 64}
@@ -113,39 +108,6 @@ def resolve_shape(args) -> None:
             setattr(args, name, value)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        return f"{model} ({os.cpu_count()} cores)"
-    except (OSError, StopIteration):
-        return platform.processor() or "cpu"
-
-
-def peak_flops(device, amp_dtype):
-    if device.type != "cuda":
-        return None, "no peak for CPUs: MFU not reported"
-    if amp_dtype is None:
-        return None, "MFU is reported against the bf16/fp16 peak, so only with --amp bf16 or fp16"
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if re.search(rf"\b{key}\b", name):  # "A40" must not match "RTX A4000"
-            return flops, f"{key} dense bf16/fp16 tensor-core peak, {flops / 1e12:.0f} TFLOP/s"
-    return None, f"unknown peak for {name}: MFU not reported"
-
-
-def flops_per_image(model, device, amp_dtype, channels_last):
-    """Forward + backward FLOPs of one image, counted by torch.utils.flop_counter."""
-    from torch.utils.flop_counter import FlopCounterMode
-    x = torch.randn(8, 3, 32, 32, device=device)
-    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-    with FlopCounterMode(display=False) as counter:
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            model(x).float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops() / 8
-
-
 # ----------------------------------------------------------------------------- the recipe's loop, timed
 
 def recipe_config(args, env, **flags) -> config.RunConfig:
@@ -168,85 +130,6 @@ def wrap(model, args, env, compile_model: bool, step_log=None):
         if step_log is not None:
             step_log.watch_ddp(model)
     return torch.compile(model, dynamic=False) if compile_model else model
-
-
-class TrainSteps:
-    """N steps of the recipe's own loop, train_ddp.train_one_epoch, on `training`: each call of it enters an
-    epoch where no more steps are left than are still to run (as a resumed run enters it), and the step count
-    runs on from call to call (a stop check every STOP_CHECK_EVERY steps, as in one long run). Also the
-    loop's checkpoint, which saves nothing (cfg.checkpoint_every is 0)."""
-
-    def __init__(self, model, training, cfg, *, stop=None, step_log=None):
-        self.model, self.training, self.cfg = model, training, cfg
-        self.per_epoch = training.train_loader.batch_sampler.num_samples // cfg.batch_size
-        self.stop = stop or utils.StopRequest()  # outside a `with`, it installs no signal handlers
-        # The recipe's: no progress lines (0), each step's phases timed, as in training.
-        self.step_log = step_log or utils.StepLog(0, training.normalize.scale.device)
-        self.steps = self.epoch = 0
-
-    def run(self, n: int) -> None:
-        while n > 0:
-            k, self.epoch = min(n, self.per_epoch), self.epoch + 1
-            progress = utils.Progress(position=(self.per_epoch - k) * self.cfg.batch_size, step=self.steps)
-            run = utils.RunControl(self.cfg, read_dist_env(), progress, self.stop, self, self.step_log)
-            if train_ddp.train_one_epoch(self.model, self.training, run, epoch=self.epoch):
-                raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
-            self.steps, n = self.steps + k, n - k
-
-    def save(self, progress) -> None:
-        pass
-
-
-class Marked:
-    """`inner` (the Training's normalisation or scaler, the loop's stop check or progress log) with a timer
-    mark, named after the phase it ends, before or after each call of the methods named. Other attributes:
-    inner's."""
-
-    def __init__(self, inner, mark, *, before=(), after=()):
-        self.inner, self.mark, self.before, self.after = inner, mark, dict(before), dict(after)
-
-    def __getattr__(self, name):
-        method = getattr(self.inner, name)
-        if name not in self.before and name not in self.after:
-            return method
-
-        def marked(*args, **kwargs):
-            self.mark(self.before.get(name))
-            out = method(*args, **kwargs)
-            self.mark(self.after.get(name))
-            return out
-        return marked
-
-    def __call__(self, *args, **kwargs):
-        return self.__getattr__("__call__")(*args, **kwargs)
-
-
-def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
-    """The recipe's loop, run separately with timer marks between the phases of each step: data (from the end
-    of the previous step: the LR, the loader's batch, the step split, the copy and normalisation),
-    forward+backward (all micro-batches, the loss sums), optimizer (the scaler's step and update). Left out:
-    the stop check every STOP_CHECK_EVERY steps, and an epoch's start and end (the data phase of an epoch's
-    first step)."""
-    device = training.normalize.scale.device
-    clock, marks = Clock(device), []
-
-    def mark(what):  # what: the phase that ends here, or None
-        if what:
-            marks.append((what, clock.mark()))
-    marked = dataclasses.replace(
-        training, normalize=Marked(training.normalize, mark, after={"__call__": "data"}),
-        scaler=Marked(training.scaler, mark, before={"step": "fwd_bwd"}, after={"update": "optimizer"}))
-    stop = Marked(utils.StopRequest(), mark, after={"check": "stop check"})
-    step_log = Marked(utils.StepLog(0, device), mark, after={"update": "step", "start": "epoch"})
-    loop = TrainSteps(model, marked, cfg, stop=stop, step_log=step_log)
-    loop.run(warmup)
-    marks.clear()
-    loop.run(steps)
-    phases = {"data": [], "fwd_bwd": [], "optimizer": []}
-    for (before, a), (what, b) in zip(marks, marks[1:]):
-        if what in phases and (what != "data" or before in ("step", "stop check")):
-            phases[what].append(clock.seconds(a, b))
-    return {f"{name}_s": statistics.mean(s) if s else None for name, s in phases.items()}
 
 
 def bench_images(args) -> du.ImageData:
@@ -420,7 +303,7 @@ def main(args):
             log(f"cpu checks: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size}, {args.rounds} "
                 f"rounds (about two minutes on 2 cores with the defaults)")
             t0 = time.perf_counter()
-            result["cpu_checks"] = cpu_checks(args, cfg, env, TrainSteps)
+            result["cpu_checks"] = cpu_checks(args, cfg, env)
             report_cpu_checks(result["cpu_checks"], time.perf_counter() - t0)
         else:
             data = bench_images(args)

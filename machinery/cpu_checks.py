@@ -1,8 +1,7 @@
 """bench.py --cpu-checks: comparisons that need no GPU, per core. Batched tensor augmentation against the
 original script's PIL per-sample path, and the recipe's loop (train_one_epoch) against a bare loop, step
 by step in interleaved rounds on one thread, in CPU time, with the spread of the rounds and a decision
-against the 3% target (--profile: where the extra time goes). bench.py passes in its loop (TrainSteps):
-it is a script, which machinery does not import."""
+against the 3% target (--profile: where the extra time goes)."""
 import contextlib
 import dataclasses
 import itertools
@@ -18,6 +17,7 @@ import dataset_utils as du
 import train_ddp
 import train_utils as utils
 import transforms
+from machinery.benchmark import TrainSteps
 from machinery.original_script import original_transform
 from machinery.output import log
 
@@ -134,7 +134,7 @@ class ReadyLoader:
         pass  # ready-made batches: nothing unreadable to agree on
 
 
-def loop_overhead_check(args, cfg, env, train_steps) -> dict:
+def loop_overhead_check(args, cfg, env) -> dict:
     """The training loop's overhead, on one thread. Each round runs one step of each of three loops, in an
     order that cycles through all six, on the same model and optimizer (build_training's, for `cfg`):
       bare: a minimal loop over ready-made normalised batches (mean loss, zero_grad, backward, step);
@@ -142,7 +142,7 @@ def loop_overhead_check(args, cfg, env, train_steps) -> dict:
         same batches, with its normalisation left out: the same work as bare, so the difference is the
         loop's bookkeeping;
       recipe: the recipe's loop end to end: the device loader (gather, crop, flip), normalisation, train_step.
-    and then the data path alone (the device loader and normalisation). `train_steps`: bench.py's TrainSteps,
+    and then the data path alone (the device loader and normalisation). TrainSteps (machinery/benchmark.py):
     the recipe's loop run N steps at a time. A step of the recipe's loop is a whole epoch of it, so its work
     per epoch (the epoch's order and sums) counts in every step: an upper bound. Steps are timed in this
     process's CPU time, which other processes on the same cores inflate far less than the wall clock, and
@@ -172,10 +172,10 @@ def loop_overhead_check(args, cfg, env, train_steps) -> dict:
 
     identity = nn.Identity()  # a normalisation that leaves the batches normalised beforehand alone
     identity.scale = normalize.scale  # where train_step reads the device
-    step = train_steps(model, dataclasses.replace(training, normalize=identity,
+    step = TrainSteps(model, dataclasses.replace(training, normalize=identity,
                                                   train_loader=ReadyLoader(ready, cfg.batch_size)), cfg)
-    recipe = train_steps(model, training, cfg)
-    untimed = train_steps(model, training, cfg,
+    recipe = TrainSteps(model, training, cfg)
+    untimed = TrainSteps(model, training, cfg,
                           step_log=utils.StepLog(0, normalize.scale.device, timed=False))
 
     def data_path(n):
@@ -213,12 +213,12 @@ def loop_overhead_check(args, cfg, env, train_steps) -> dict:
     return result
 
 
-def cpu_checks(args, cfg, env, train_steps) -> dict:
+def cpu_checks(args, cfg, env) -> dict:
     """Per-core comparisons that need no GPU, on one thread: with two or more, other processes on the same
     cores make OpenMP's threads wait for each other, and a step's time swings several-fold."""
     torch.set_num_threads(1)
     return {"augmentation": augmentation_check(),
-            "loop_overhead": loop_overhead_check(args, cfg, env, train_steps)}
+            "loop_overhead": loop_overhead_check(args, cfg, env)}
 
 
 def report_cpu_checks(c: dict, seconds: float) -> None:
