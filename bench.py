@@ -177,7 +177,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
                   "micro-batches and the loss sums; optimizer: the scaler's step and update; exposed_comm: "
                   "fwd_bwd with DDP minus fwd_bwd under no_sync); left out: the stop check every 10 steps, "
                   "and an epoch's start and end")
-    flops = flops_per_image(training.model, device, cfg.amp_dtype, cuda)
+    flops = flops_per_image(training.model, device, cfg.amp_dtype, channels_last=True)
     # One full epoch of augmentation on one device (all of bench_images, this rank's batch size).
     one = dataclasses.replace(cfg, flags={**cfg.flags, "batch_size": cfg.per_rank_batch, "seed": 0},
                               accumulation_steps=1, eval_batch=cfg.per_rank_batch, num_workers=0)

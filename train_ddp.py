@@ -77,8 +77,9 @@ def build_training(cfg, env, data) -> Training:
     model = build_model(cfg, data.spec)
     if cfg.sync_bn:  # before DDP, so that DDP all-reduces the statistics within each forward
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # On CUDA the model is kept channels_last, the layout cuDNN's fastest convolutions want.
-    model = model.to(device, memory_format=torch.channels_last if env.cuda else torch.preserve_format)
+    # The model is kept channels_last, the layout the fastest convolutions want: cuDNN's on GPUs, oneDNN's on
+    # CPUs (a training step 1.2 to 1.45 times as fast there, measured on WRNs from 10-1 to 16-4).
+    model = model.to(device, memory_format=torch.channels_last)
     params = model.parameters()
     if cfg.norm_weight_decay is not None:  # biases and norm layers' scales and shifts: the 1-d tensors
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
@@ -93,7 +94,7 @@ def build_training(cfg, env, data) -> Training:
     # each rank its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r,
     # r + W, ...
     train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env)
-    normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=env.cuda)
+    normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
     # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step,
     # cfg.ema_decay).
     ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
