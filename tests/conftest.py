@@ -16,20 +16,19 @@ from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch_forked, load
                      made_once, run_in_process, write_cifar100)
 
 
-# Each end-to-end file's seconds on a fresh clone (2026-11-27, 8f31cce: setup, call and teardown summed, two
+# Each end-to-end file's seconds on a fresh clone (2026-11-27, 966bb98: setup, call and teardown summed, two
 # files at a time on 2 cores; the Slurm file waits on Slurm's clock, the adapt file holds the README's
 # Fashion-MNIST example). pytest-xdist's workers take the files in this order, longest first, so that the last
 # files to start are short and neither worker runs alone for long at the end: 70 s less than xdist's own order
-# (by number of tests, which ran 2-test files of 2 minutes last), simulated on those times, a whole file per
-# worker as `--dist loadfile` gives them. A file not listed (the unit files, a new one) goes first: a short one
-# costs nothing there, a long one is where it should be; add a new end-to-end file's time here.
+# (by number of tests, which ran 2-test files of 2 minutes last), simulated on the times of 8f31cce, a whole file
+# per worker as `--dist loadfile` gives them. A file not listed (the unit files, a new one) goes first: a short
+# one costs nothing there, a long one is where it should be; add a new end-to-end file's time here.
 FILE_SECONDS = {
-    "test_slurm_jobs.py": 598, "test_adapt.py": 434, "test_training_run.py": 364, "test_diagnostics.py": 216,
-    "test_write_failures.py": 186, "test_stop_signals.py": 161, "test_fault_tolerance.py": 135,
-    "test_resume.py": 134, "test_lr_rule.py": 118, "test_elastic.py": 114, "test_tools.py": 86,
-    "test_out_dir.py": 71, "test_tool_signals.py": 70, "test_modern_recipe.py": 64, "test_ddp_math.py": 51,
-    "test_records_and_progress.py": 41, "test_bad_input.py": 35, "test_accumulation.py": 7,
-    "test_bn_stats.py": 1,
+    "test_slurm_jobs.py": 503, "test_adapt.py": 347, "test_training_run.py": 335, "test_write_failures.py": 182,
+    "test_diagnostics.py": 181, "test_stop_signals.py": 139, "test_elastic.py": 121, "test_lr_rule.py": 114,
+    "test_fault_tolerance.py": 106, "test_tools.py": 77, "test_resume.py": 69, "test_out_dir.py": 61,
+    "test_modern_recipe.py": 59, "test_tool_signals.py": 58, "test_ddp_math.py": 45,
+    "test_records_and_progress.py": 44, "test_bad_input.py": 33, "test_accumulation.py": 8, "test_bn_stats.py": 1,
 }
 
 
