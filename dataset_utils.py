@@ -14,8 +14,10 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 """
 import functools
 import math
+import multiprocessing.connection
 import os
 import pickle
+import tempfile
 from dataclasses import dataclass, replace
 
 import torch
@@ -325,6 +327,18 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
     options = _loader_options(cfg.num_workers, env.cuda)
     return AgreedLoader(DataLoader(dataset, batch_size=cfg.eval_batch, sampler=shard, **options,
                                    collate_fn=functools.partial(_collate, dataset.image_shape)))
+
+
+def check_worker_sockets(workers: int) -> None:
+    """Raise UserError if the loader workers could not start here: their forkserver listens on a Unix socket in
+    the temporary folder (TMPDIR), whose path a socket takes only up to 107 bytes."""
+    if not workers:
+        return
+    path = os.fsencode(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # as the forkserver names it
+    if len(path) > 107:
+        raise UserError(f"the temporary folder {tempfile.gettempdir()} (TMPDIR) is too long a path for the "
+                        f"DataLoader workers' socket ({len(path)} bytes, a Unix socket takes 107): set TMPDIR to "
+                        f"a shorter folder (export TMPDIR=/tmp) or run with --workers 0")
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import Subset
 
-from dataset_utils import DataSpec, ImageData, data_device
+from dataset_utils import DataSpec, ImageData, check_worker_sockets, data_device
 from machinery.bad_samples import BadSample, Share, first_readable, read_sample
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, call_and_agree
@@ -79,6 +79,8 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
     device = call_and_agree(data_device, cfg.loader, env.device, *splits.values())
+    if device is None:  # DataLoader workers
+        call_and_agree(check_worker_sockets, cfg.num_workers)
     source = describe_source(train_data if train else test_data)
     val_data = None
     if train and cfg.val_size:

@@ -1,7 +1,7 @@
 """The loaders (dataset_utils.build_loaders): the test shards score every image exactly once for any
 world size, as stored (no augmentation); the device-resident loader yields the DataLoader's batches bit for
 bit (any world size, accumulation, resume position and image shape); a Dataset's integer labels reach the loss
-as int64."""
+as int64; the workers' socket fits in the temporary folder's path, or the run is refused."""
 import pytest
 import torch
 
@@ -101,3 +101,34 @@ def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
     for loader in (train, test):
         (images, labels), = list(loader)
         assert images.shape == (4, 1, 8, 8) and labels.dtype == torch.int64
+
+
+def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_the_kernel_would(tmp_path, monkeypatch):
+    """A Unix socket binds at a 107-byte path and not at 108 (here, for real); check_worker_sockets passes the
+    temporary folder whose forkserver socket would be 107 bytes, refuses the one of 108 in one line naming
+    TMPDIR and the ways out, and never looks without workers."""
+    import multiprocessing.util
+    import socket
+    from machinery.errors import UserError
+
+    def folder_of(size):  # a folder under tmp_path whose path is `size` bytes
+        return str(tmp_path / ("d" * (size - len(str(tmp_path)) - 1)))
+
+    for size, binds in ((107, True), (108, False)):
+        path = folder_of(size)
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.bind(path)
+                bound = True
+            except OSError:
+                bound = False
+        assert bound == binds, size
+    listener = len("/listener-12345678")  # the name multiprocessing gives the socket in its temporary folder
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(107 - listener))
+    du.check_worker_sockets(1)
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(108 - listener))
+    du.check_worker_sockets(0)
+    with pytest.raises(UserError, match=r"\(TMPDIR\) is too long a path for the DataLoader workers' socket "
+                                         r"\(108 bytes, a Unix socket takes 107\): set TMPDIR to a shorter "
+                                         r"folder \(export TMPDIR=/tmp\) or run with --workers 0"):
+        du.check_worker_sockets(2)
