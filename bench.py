@@ -43,7 +43,7 @@ import train_utils as utils
 from machinery.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from machinery.cli import run_tool
 from machinery.cpu_checks import cpu_checks, report_cpu_checks
-from machinery.errors import UserError, all_gather
+from machinery.errors import UserError, all_gather, call_and_agree
 from machinery.files import write_json
 from machinery.original_script import original_batches, original_steps
 from machinery.output import log
@@ -146,8 +146,10 @@ def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
         raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} training images")
     train, test = (dataclasses.replace(data, images=data.images[:k], labels=data.labels[:k])
                    for k in (n, 10_000))
-    return utils.CheckedData(train, test, utils.measure_data(train, test), {},
-                             du.data_device(cfg.loader, env.device, train, test))
+    device = du.data_device(cfg.loader, env.device, train, test)
+    if device is None:  # DataLoader workers
+        call_and_agree(du.check_worker_sockets, cfg.num_workers)
+    return utils.CheckedData(train, test, utils.measure_data(train, test), {}, device)
 
 
 def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -> dict:
@@ -177,7 +179,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
                   "micro-batches and the loss sums; optimizer: the scaler's step and update; exposed_comm: "
                   "fwd_bwd with DDP minus fwd_bwd under no_sync); left out: the stop check every 10 steps, "
                   "and an epoch's start and end")
-    flops = flops_per_image(training.model, device, cfg.amp_dtype, channels_last=True)
+    flops = flops_per_image(training.model, device, cfg.amp_dtype)
     # One full epoch of augmentation on one device (all of bench_images, this rank's batch size).
     one = dataclasses.replace(cfg, flags={**cfg.flags, "batch_size": cfg.per_rank_batch, "seed": 0},
                               accumulation_steps=1, eval_batch=cfg.per_rank_batch, num_workers=0)

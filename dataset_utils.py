@@ -17,7 +17,7 @@ import math
 import multiprocessing.connection
 import os
 import pickle
-import tempfile
+import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -329,16 +329,23 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
                                    collate_fn=functools.partial(_collate, dataset.image_shape)))
 
 
+# A Unix socket's longest path: sun_path less its closing zero (108 bytes on Linux, 104 on macOS and the BSDs).
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+
+
 def check_worker_sockets(workers: int) -> None:
     """Raise UserError if the loader workers could not start here: their forkserver listens on a Unix socket in
-    the temporary folder (TMPDIR), whose path a socket takes only up to 107 bytes."""
+    the temporary folder (TMPDIR), and a socket's path takes at most SOCKET_PATH_MAX bytes."""
     if not workers:
         return
     path = os.fsencode(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # as the forkserver names it
-    if len(path) > 107:
-        raise UserError(f"the temporary folder {tempfile.gettempdir()} (TMPDIR) is too long a path for the "
-                        f"DataLoader workers' socket ({len(path)} bytes, a Unix socket takes 107): set TMPDIR to "
-                        f"a shorter folder (export TMPDIR=/tmp) or run with --workers 0")
+    if len(path) > SOCKET_PATH_MAX:
+        folder = os.path.dirname(os.path.dirname(path))  # the socket is <TMPDIR>/pymp-XXXXXXXX/<name>
+        fits = SOCKET_PATH_MAX - (len(path) - len(folder))
+        raise UserError(f"the temporary folder {os.fsdecode(folder)} (TMPDIR, {len(folder)} bytes) is too long "
+                        f"a path for the DataLoader workers' socket in it ({len(path)} bytes; a socket takes "
+                        f"{SOCKET_PATH_MAX}, so TMPDIR at most {fits}): set TMPDIR to a shorter folder (export "
+                        f"TMPDIR=/tmp) or run with --workers 0")
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:

@@ -41,11 +41,11 @@ def peak_flops(device, amp_dtype):
     return None, f"unknown peak for {name}: MFU not reported"
 
 
-def flops_per_image(model, device, amp_dtype, channels_last):
+def flops_per_image(model, device, amp_dtype):
     """Forward + backward FLOPs of one image, counted by torch.utils.flop_counter."""
     from torch.utils.flop_counter import FlopCounterMode
     x = torch.randn(8, 3, 32, 32, device=device)
-    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    x = x.contiguous(memory_format=torch.channels_last)  # as the recipe feeds its model
     with FlopCounterMode(display=False) as counter:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             model(x).float().sum().backward()

@@ -103,32 +103,47 @@ def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
         assert images.shape == (4, 1, 8, 8) and labels.dtype == torch.int64
 
 
-def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_the_kernel_would(tmp_path, monkeypatch):
-    """A Unix socket binds at a 107-byte path and not at 108 (here, for real); check_worker_sockets passes the
-    temporary folder whose forkserver socket would be 107 bytes, refuses the one of 108 in one line naming
-    TMPDIR and the ways out, and never looks without workers."""
+def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket_cannot_bind_in(tmp_path,
+                                                                                                 monkeypatch):
+    """The longest path a Unix socket binds at, found here for real, is SOCKET_PATH_MAX; check_worker_sockets
+    passes the temporary folder whose forkserver socket would be that long, refuses the one a byte longer in one
+    line naming the folder, its limit and the ways out, and looks at nothing without workers."""
+    import multiprocessing.connection
     import multiprocessing.util
+    import os
     import socket
     from machinery.errors import UserError
 
-    def folder_of(size):  # a folder under tmp_path whose path is `size` bytes
+    def folder_of(size):  # a path under tmp_path of `size` bytes
         return str(tmp_path / ("d" * (size - len(str(tmp_path)) - 1)))
 
-    for size, binds in ((107, True), (108, False)):
-        path = folder_of(size)
+    def binds(size):
         with socket.socket(socket.AF_UNIX) as s:
             try:
-                s.bind(path)
-                bound = True
+                s.bind(folder_of(size))
+                return True
             except OSError:
-                bound = False
-        assert bound == binds, size
-    listener = len("/listener-12345678")  # the name multiprocessing gives the socket in its temporary folder
-    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(107 - listener))
+                return False
+    longest = next(size for size in range(len(str(tmp_path)) + 2, 200) if not binds(size)) - 1
+    assert longest == du.SOCKET_PATH_MAX
+    # The name multiprocessing gives the socket in its folder (listener-XXXXXXXX, or sock-XXXXXXXX on newer
+    # Pythons), measured as the check measures it.
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/t")
+    name = len(multiprocessing.connection.arbitrary_address("AF_UNIX")) - len("/t")
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(longest - name))
     du.check_worker_sockets(1)
-    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(108 - listener))
-    du.check_worker_sockets(0)
-    with pytest.raises(UserError, match=r"\(TMPDIR\) is too long a path for the DataLoader workers' socket "
-                                         r"\(108 bytes, a Unix socket takes 107\): set TMPDIR to a shorter "
-                                         r"folder \(export TMPDIR=/tmp\) or run with --workers 0"):
+    too_long = folder_of(longest + 1 - name)
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: too_long)
+    with pytest.raises(UserError) as refused:
         du.check_worker_sockets(2)
+    tmpdir = os.path.dirname(too_long)
+    assert str(refused.value) == (
+        f"the temporary folder {tmpdir} (TMPDIR, {len(tmpdir)} bytes) is too long a path for the DataLoader "
+        f"workers' socket in it ({longest + 1} bytes; a socket takes {longest}, so TMPDIR at most "
+        f"{len(tmpdir) - 1}): "
+        f"set TMPDIR to a shorter folder (export TMPDIR=/tmp) or run with --workers 0")
+
+    def looked():
+        raise AssertionError("looked for the socket's folder without workers")
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", looked)
+    du.check_worker_sockets(0)
