@@ -43,7 +43,8 @@ import train_utils as utils
 from machinery.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from machinery.cli import run_tool
 from machinery.cpu_checks import cpu_checks, report_cpu_checks
-from machinery.errors import UserError, all_gather, call_and_agree
+from machinery.data_checks import loader_device
+from machinery.errors import UserError, all_gather
 from machinery.files import write_json
 from machinery.original_script import original_batches, original_steps
 from machinery.output import log
@@ -146,10 +147,8 @@ def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
         raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} training images")
     train, test = (dataclasses.replace(data, images=data.images[:k], labels=data.labels[:k])
                    for k in (n, 10_000))
-    device = du.data_device(cfg.loader, env.device, train, test)
-    if device is None:  # DataLoader workers
-        call_and_agree(du.check_worker_sockets, cfg.num_workers)
-    return utils.CheckedData(train, test, utils.measure_data(train, test), {}, device)
+    return utils.CheckedData(train, test, utils.measure_data(train, test), {},
+                             loader_device(cfg, env, train, test))
 
 
 def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -> dict:

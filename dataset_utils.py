@@ -14,10 +14,8 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 """
 import functools
 import math
-import multiprocessing.connection
 import os
 import pickle
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -327,25 +325,6 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
     options = _loader_options(cfg.num_workers, env.cuda)
     return AgreedLoader(DataLoader(dataset, batch_size=cfg.eval_batch, sampler=shard, **options,
                                    collate_fn=functools.partial(_collate, dataset.image_shape)))
-
-
-# A Unix socket's longest path: sun_path less its closing zero (108 bytes on Linux, 104 on macOS and the BSDs).
-SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
-
-
-def check_worker_sockets(workers: int) -> None:
-    """Raise UserError if the loader workers could not start here: their forkserver listens on a Unix socket in
-    the temporary folder (TMPDIR), and a socket's path takes at most SOCKET_PATH_MAX bytes."""
-    if not workers:
-        return
-    path = os.fsencode(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # as the forkserver names it
-    if len(path) > SOCKET_PATH_MAX:
-        folder = os.path.dirname(os.path.dirname(path))  # the socket is <TMPDIR>/pymp-XXXXXXXX/<name>
-        fits = SOCKET_PATH_MAX - (len(path) - len(folder))
-        raise UserError(f"the temporary folder {os.fsdecode(folder)} (TMPDIR, {len(folder)} bytes) is too long "
-                        f"a path for the DataLoader workers' socket in it ({len(path)} bytes; a socket takes "
-                        f"{SOCKET_PATH_MAX}, so TMPDIR at most {fits}): set TMPDIR to a shorter folder (export "
-                        f"TMPDIR=/tmp) or run with --workers 0")
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:

@@ -1,14 +1,17 @@
 """What the data load_data returned say of themselves (measure_data: shape, classes, mean and std), the checks
-that they are what the loaders take and what a checkpoint trained on (fingerprints), and --val-size's held-out
-split."""
+that they are what the loaders take and what a checkpoint trained on (fingerprints), where the loaders keep them
+(loader_device, with the check that DataLoader workers can start), and --val-size's held-out split."""
 import hashlib
+import multiprocessing.connection
 import numbers
+import os
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import Subset
 
-from dataset_utils import DataSpec, ImageData, check_worker_sockets, data_device
+from dataset_utils import DataSpec, ImageData, data_device
 from machinery.bad_samples import BadSample, Share, first_readable, read_sample
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, call_and_agree
@@ -78,14 +81,40 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
-    device = call_and_agree(data_device, cfg.loader, env.device, *splits.values())
-    if device is None:  # DataLoader workers
-        call_and_agree(check_worker_sockets, cfg.num_workers)
+    device = loader_device(cfg, env, *splits.values())
     source = describe_source(train_data if train else test_data)
     val_data = None
     if train and cfg.val_size:
         train_data, val_data = call_and_agree(hold_out, train_data, cfg.val_size)
     return CheckedData(train_data, test_data, spec, fingerprints, device, val_data, source)
+
+
+def loader_device(cfg, env, *splits):
+    """dataset_utils.data_device, agreed by every rank; for DataLoader workers (None), also the check that they
+    can start here (check_worker_sockets)."""
+    device = call_and_agree(data_device, cfg.loader, env.device, *splits)
+    if device is None:
+        call_and_agree(check_worker_sockets, cfg.num_workers)
+    return device
+
+
+# A Unix socket's longest path: sun_path less its closing zero (108 bytes on Linux, 104 on macOS and the BSDs).
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+
+
+def check_worker_sockets(workers: int) -> None:
+    """Raise UserError if the loader workers could not start here: their forkserver listens on a Unix socket in
+    the temporary folder (TMPDIR), and a socket's path takes at most SOCKET_PATH_MAX bytes."""
+    if not workers:
+        return
+    path = os.fsencode(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # as the forkserver names it
+    if len(path) > SOCKET_PATH_MAX:
+        folder = os.path.dirname(os.path.dirname(path))  # the socket is <TMPDIR>/pymp-XXXXXXXX/<name>
+        fits = SOCKET_PATH_MAX - (len(path) - len(folder))
+        raise UserError(f"the temporary folder {os.fsdecode(folder)} (TMPDIR, {len(folder)} bytes) is too long "
+                        f"a path for the DataLoader workers' socket in it ({len(path)} bytes; a socket takes "
+                        f"{SOCKET_PATH_MAX}, so TMPDIR at most {fits}): set TMPDIR to a shorter folder (export "
+                        f"TMPDIR=/tmp) or run with --workers 0")
 
 
 def describe_source(split) -> str:

@@ -125,17 +125,17 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
             except OSError:
                 return False
     longest = next(size for size in range(len(str(tmp_path)) + 2, 200) if not binds(size)) - 1
-    assert longest == du.SOCKET_PATH_MAX
+    assert longest == data_checks.SOCKET_PATH_MAX
     # The name multiprocessing gives the socket in its folder (listener-XXXXXXXX, or sock-XXXXXXXX on newer
     # Pythons), measured as the check measures it.
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/t")
     name = len(multiprocessing.connection.arbitrary_address("AF_UNIX")) - len("/t")
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(longest - name))
-    du.check_worker_sockets(1)
+    data_checks.check_worker_sockets(1)
     too_long = folder_of(longest + 1 - name)
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: too_long)
     with pytest.raises(UserError) as refused:
-        du.check_worker_sockets(2)
+        data_checks.check_worker_sockets(2)
     tmpdir = os.path.dirname(too_long)
     assert str(refused.value) == (
         f"the temporary folder {tmpdir} (TMPDIR, {len(tmpdir)} bytes) is too long a path for the DataLoader "
@@ -146,4 +146,4 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
     def looked():
         raise AssertionError("looked for the socket's folder without workers")
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", looked)
-    du.check_worker_sockets(0)
+    data_checks.check_worker_sockets(0)
