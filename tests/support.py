@@ -150,8 +150,17 @@ def made_once(tmp_path_factory, name: str, make):
 
 def run_env(nproc: int, env=None) -> dict:
     """The environment of every launched run (launch, launch_forked, start): this one, unbuffered output, the
-    threads per rank, then the test's own variables."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **(env or {})}
+    threads per rank, then the test's own variables; a PYTHONPATH of the test's goes before this one's."""
+    env = env or {}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
+            **({"PYTHONPATH": python_path(env["PYTHONPATH"])} if "PYTHONPATH" in env else {})}
+
+
+def python_path(*folders) -> str:
+    """PYTHONPATH for a process the test starts: `folders`, then the inherited one, which holds
+    tests/fast_exit (conftest's pytest_configure: every process skips the interpreter's final garbage
+    collections)."""
+    return os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
 
 
 def threads_per_rank(nproc: int) -> str:

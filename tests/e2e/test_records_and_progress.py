@@ -135,8 +135,7 @@ def test_tensorboard_without_the_package_is_refused_in_one_line_before_anything_
     (stub / "__init__.py").write_text("raise ImportError('tensorboard is not installed (a test stand-in)')\n")
     out = tmp_path / "run"
     proc = launch([*SMALL, "--epochs", 1, "--out-dir", out, "--tensorboard"], torchrun=False, check=False,
-                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "stub"),
-                                                                   os.environ.get("PYTHONPATH")]))})
+                  env={"PYTHONPATH": tmp_path / "stub"})  # first, then the inherited one
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr
     assert errors[0].startswith("error: --tensorboard needs the tensorboard package: pip install tensorboard")

@@ -19,10 +19,10 @@ import time
 
 import pytest
 
-from support import children, command_line, descendants, processes
+from support import children, command_line, descendants, processes, python_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": python_path(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 SMALL_BENCH = ["--device", "cpu", "--depth", 10, "--widen-factor", 1, "--batch-size", 32]
 # the scripts' own limit is 1.5 s after the signal; the rest is slack for a loaded machine
 EXIT_WITHIN_S = 5.0

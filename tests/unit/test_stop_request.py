@@ -14,7 +14,7 @@ import torch
 
 from machinery.errors import UserError
 from machinery.signals import StopRequest
-from support import ROOT, SCRIPTS
+from support import ROOT, SCRIPTS, python_path
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
@@ -95,7 +95,7 @@ def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_e
     ever)."""
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "worker_signal_mask.py")], cwd=ROOT,
                           timeout=120, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.splitlines()[-1])
     assert sorted(report["born_holding"]) == sorted(report["ignores"]) == sorted(int(s) for s in SIGNALS)
@@ -120,6 +120,6 @@ def test_a_rank_leaving_with_an_agreed_error_keeps_its_status_when_the_launcher_
     SIGTERM (srun --kill-on-bad-exit, torchrun), sent when the first one is out, does not turn a rank still
     on its way out into "Terminated" (143, the job's status with it)."""
     proc = subprocess.run([sys.executable, "-c", LEAVING], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+                          timeout=120, env={**os.environ, "PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 74, (proc.returncode, proc.stderr)
     assert proc.stdout == "still leaving\n" and "error: no space left on device" in proc.stderr

@@ -1,0 +1,14 @@
+"""Imported by every Python process the tests start (conftest's pytest_configure puts this folder first on
+PYTHONPATH; support.python_path keeps it there when a test sets its own).
+
+The process's last act, after every other atexit handler, is gc.freeze(): every object moves to the garbage
+collector's permanent generation, so the collections of the interpreter's finalization skip them. With torch
+and torch._dynamo loaded those collections cost about a CPU-second per process (measured: tests/README.md,
+"Where a launch's seconds go"), and the suite starts about 180 such processes (launchers, ranks, loader
+forkservers, jobs, tools) on two cores. What a run does is untouched: its records, checkpoint and last line
+are written before the atexit handlers run, and objects are still freed when their last reference goes; only
+reference cycles left at the very end are not collected, which Python never promises to do at exit."""
+import atexit
+import gc
+
+atexit.register(gc.freeze)  # registered before anything else, so it runs last
