@@ -1,6 +1,6 @@
-"""pytest's fixtures and hooks (the files' order), nothing else: the library the tests import is support.py.
-This file puts the repository root (train_ddp.py and its modules) and tests/ (support.py) on sys.path, so
-that `from support import ...` works from tests/unit/, tests/e2e/ and tests/gpu/ alike."""
+"""pytest's fixtures and hooks (the files' order; fast_exit/ on PYTHONPATH), nothing else: the library the tests
+import is support.py. This file puts the repository root (train_ddp.py and its modules) and tests/ (support.py)
+on sys.path, so that `from support import ...` works from tests/unit/, tests/e2e/ and tests/gpu/ alike."""
 import os
 import subprocess
 import sys
