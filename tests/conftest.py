@@ -12,8 +12,8 @@ for path in (os.path.dirname(TESTS), TESTS):  # the repository root, then tests/
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from support import (ACCUM_RUN, CKPT_RUN, STARTED, kill_all, launch_forked, load_model_state,  # noqa: E402
-                     made_once, run_in_process, write_cifar100)
+from support import (ACCUM_RUN, CKPT_RUN, FAST_EXIT, STARTED, kill_all, launch_forked,  # noqa: E402
+                     load_model_state, made_once, run_in_process, write_cifar100)
 
 
 # Each end-to-end file's seconds on a fresh clone (2026-11-27, 966bb98: setup, call and teardown summed, two
@@ -35,10 +35,10 @@ FILE_SECONDS = {
 def pytest_configure(config):
     """Every Python process the tests start imports tests/fast_exit/sitecustomize.py: at its exit it skips the
     interpreter's final garbage collections, about a CPU-second per process with torch loaded (its docstring).
-    The processes inherit it through PYTHONPATH (support.python_path keeps it where a test sets its own)."""
-    fast_exit = os.path.join(TESTS, "fast_exit")
-    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != fast_exit]
-    os.environ["PYTHONPATH"] = os.pathsep.join([fast_exit, *inherited])
+    The processes inherit it through PYTHONPATH (support.python_path keeps it where a test sets its own;
+    support.run_env's fast_exit=False leaves it out, for the runs that are a user's command as written)."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != FAST_EXIT]
+    os.environ["PYTHONPATH"] = os.pathsep.join([FAST_EXIT, *inherited])
 
 
 def pytest_collection_modifyitems(items):

@@ -51,15 +51,22 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
 TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib")
 
 
-def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True, cwd=ROOT):
+def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True, cwd=ROOT,
+           fast_exit=True):
     """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python,
-    from `cwd` (the project directory unless told)."""
+    from `cwd` (the project directory unless told). fast_exit=False: the interpreter's own exit, as in a
+    user's run (run_env), and check=True then also asserts that it was quiet: no finalizer's "Exception
+    ignored", no abort at exit."""
     cmd = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}"] if torchrun else [sys.executable])
     cmd += [os.path.join(ROOT, script)] + [str(a) for a in args]
-    proc = subprocess.run(cmd, cwd=cwd, env=run_env(nproc, env), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=run_env(nproc, env, fast_exit=fast_exit), capture_output=True,
+                          text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    if check and not fast_exit:
+        noise = [line for line in proc.stderr.splitlines()
+                 if line.startswith("Exception ignored") or line.startswith("terminate called")]
+        assert not noise, f"{' '.join(cmd)}: noise at exit\n{proc.stderr}"
     return proc
 
 
@@ -148,12 +155,26 @@ def made_once(tmp_path_factory, name: str, make):
     return folder
 
 
-def run_env(nproc: int, env=None) -> dict:
+def run_env(nproc: int, env=None, fast_exit=True) -> dict:
     """The environment of every launched run (launch, launch_forked, start): this one, unbuffered output, the
-    threads per rank, then the test's own variables; a PYTHONPATH of the test's goes before this one's."""
+    threads per rank, then the test's own variables; a PYTHONPATH of the test's goes before this one's.
+
+    fast_exit=False leaves tests/fast_exit out: the interpreter's own exit, final garbage collections
+    included, for the runs that are a user's command as written (the README's, the original script's
+    lines, --compile, the GPU checks), so that what only those collections do still fails a test: a
+    finalizer's "Exception ignored", or a DDP model left in a reference cycle until after its process group
+    is gone, which can abort the process there (machinery/timing.py's watch_ddp; not with gloo, measured)."""
     env = env or {}
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
-            **({"PYTHONPATH": python_path(env["PYTHONPATH"])} if "PYTHONPATH" in env else {})}
+    merged = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
+              **({"PYTHONPATH": python_path(env["PYTHONPATH"])} if "PYTHONPATH" in env else {})}
+    if not fast_exit:
+        kept = [p for p in merged.get("PYTHONPATH", "").split(os.pathsep) if p and p != FAST_EXIT]
+        merged.pop("PYTHONPATH", None)
+        merged.update({"PYTHONPATH": os.pathsep.join(kept)} if kept else {})
+    return merged
+
+
+FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit")
 
 
 def python_path(*folders) -> str:

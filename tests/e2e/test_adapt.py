@@ -50,11 +50,13 @@ def adapted_script(folder, **functions) -> str:
 ADAPTED_ENV = {"PYTHONPATH": ROOT}
 
 
-def run_adapted(script, args, nproc=2, check=True, env=None, torchrun=False):
+def run_adapted(script, args, nproc=2, check=True, env=None, torchrun=False, fast_exit=True):
     """The adapted script on nproc ranks: forked (support.launch_forked), or under torchrun where the launcher
-    is part of the point (a failing run's ending, the README's command)."""
-    run = launch if torchrun else launch_forked
-    return run(args, nproc=nproc, script=script, env={**ADAPTED_ENV, **(env or {})}, check=check, timeout=900)
+    is part of the point (a failing run's ending, the README's command: fast_exit=False, a user's exit)."""
+    env = {**ADAPTED_ENV, **(env or {})}
+    if torchrun:
+        return launch(args, nproc=nproc, script=script, env=env, check=check, timeout=900, fast_exit=fast_exit)
+    return launch_forked(args, nproc=nproc, script=script, env=env, check=check, timeout=900)
 
 
 def require_fashion_mnist():
@@ -89,13 +91,14 @@ def test_readme_fashion_mnist_example_learns_resumes_and_evaluates(tmp_path):
     assert block.startswith("def load_data(") and "ImageData" in block
     script = adapted_script(tmp_path / "code", load_data=block)
     out = tmp_path / "run"
-    first = run_adapted(script, [*FASHION_RUN, "--out-dir", out, "--stop-after-epoch", 1], torchrun=True)
+    first = run_adapted(script, [*FASHION_RUN, "--out-dir", out, "--stop-after-epoch", 1], torchrun=True,
+                        fast_exit=False)
     assert (f"Data: Fashion-MNIST in {FASHION}: 60000 training and 10000 test images of 1 x 28 x 28, "
             f"10 classes" in first.stdout)
     # not cifar100
     assert read_json(os.path.join(out, "config.json"))["data"] == f"Fashion-MNIST in {FASHION}"
     assert "Stopping after epoch 1 as asked" in first.stdout
-    second = run_adapted(script, [*FASHION_RUN, "--out-dir", out], torchrun=True)
+    second = run_adapted(script, [*FASHION_RUN, "--out-dir", out], torchrun=True, fast_exit=False)
     assert "Resumed from" in second.stdout and "Training completed successfully." in second.stdout
 
     metrics = read_jsonl(out / "metrics.jsonl")

@@ -52,7 +52,7 @@ def test_it_learns_and_reports_like_the_original_script(tmp_path, learnable_dir)
     """On 2 ranks: the lines once, not once per rank. (On 1 process: the one-minute CPU run below.)"""
     out = tmp_path / "run"
     proc = launch(["--data-dir", learnable_dir, "--out-dir", out, "--epochs", 4, "--batch-size", 64,
-                   "--base-lr", 0.4, "--target-accuracy", 1.0, *TINY], nproc=2)
+                   "--base-lr", 0.4, "--target-accuracy", 1.0, *TINY], nproc=2, fast_exit=False)
     assert_original_script_lines(proc.stdout, epochs=4, world_size=2)
     assert "Global batch 64 = 2 ranks x 32" in proc.stdout
     metrics = assert_summary_of_a_finished_run(out, epochs=4, world_size=2)
@@ -70,7 +70,7 @@ def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
     args = command.split("#")[0].split()[2:]
     assert args == ["--recipe", "cpu-try"], command  # the first command stays short
     out = tmp_path / "cpu-try"
-    proc = launch([*args, "--out-dir", out, "--log-every", 0], torchrun=False)
+    proc = launch([*args, "--out-dir", out, "--log-every", 0], torchrun=False, fast_exit=False)
     accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] >= 0.5 and accuracies[0] < accuracies[-1], proc.stdout
     assert_original_script_lines(proc.stdout, epochs=3, world_size=1)
@@ -105,7 +105,8 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     # Inductor compiles the kernels in each rank's own process, not in a pool of more interpreters (one per
     # core, each importing torch): the same kernels, without 4 more imports of torch on a 2-core machine.
     one_compiler = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    trained = launch([*common, "--compile"], nproc=2, env=one_compiler)
+    # the interpreter's own exit: what dynamo's caches hold of the model is freed after the process group
+    trained = launch([*common, "--compile"], nproc=2, env=one_compiler, fast_exit=False)
     assert "Training completed successfully." in trained.stdout
     state = load_model_state(out)["model"]
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state)  # unwrapped from compile and DDP

@@ -1,5 +1,6 @@
 """Imported by every Python process the tests start (conftest's pytest_configure puts this folder first on
-PYTHONPATH; support.python_path keeps it there when a test sets its own).
+PYTHONPATH; support.python_path keeps it there when a test sets its own), but the runs that are a user's
+command as written (support.run_env's fast_exit=False).
 
 The process's last act, after every other atexit handler, is gc.freeze(): every object moves to the garbage
 collector's permanent generation, so the collections of the interpreter's finalization skip them. With torch
@@ -13,4 +14,4 @@ needs."""
 import atexit
 import gc
 
-atexit.register(gc.freeze)  # registered before anything else, so it runs last
+atexit.register(gc.freeze)  # registered as the interpreter starts, before the script's own: so run last
