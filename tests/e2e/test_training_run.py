@@ -105,7 +105,7 @@ def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     # Inductor compiles the kernels in each rank's own process, not in a pool of more interpreters (one per
     # core, each importing torch): the same kernels, without 4 more imports of torch on a 2-core machine.
     one_compiler = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    # the interpreter's own exit: what dynamo's caches hold of the model is freed after the process group
+    # the interpreter's own exit, as a user's compiled run ends (dynamo's caches, the compiled model)
     trained = launch([*common, "--compile"], nproc=2, env=one_compiler, fast_exit=False)
     assert "Training completed successfully." in trained.stdout
     state = load_model_state(out)["model"]
