@@ -51,6 +51,10 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
 TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib")
 
 
+# tests/fast_exit, first on every launched process's PYTHONPATH (conftest's pytest_configure; run_env)
+FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit")
+
+
 def launch(args, nproc=1, torchrun=True, script="train_ddp.py", timeout=600, env=None, check=True, cwd=ROOT,
            fast_exit=True):
     """Run a script like a user: `torchrun --standalone --nproc_per_node=N script args`, or plain python,
@@ -165,23 +169,20 @@ def run_env(nproc: int, env=None, fast_exit=True) -> dict:
     finalizer's "Exception ignored", or a DDP model left in a reference cycle until after its process group
     is gone, which can abort the process there (machinery/timing.py's watch_ddp; not with gloo, measured)."""
     env = env or {}
+    path = python_path(*([env["PYTHONPATH"]] if "PYTHONPATH" in env else []), fast_exit=fast_exit)
     merged = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
-              **({"PYTHONPATH": python_path(env["PYTHONPATH"])} if "PYTHONPATH" in env else {})}
-    if not fast_exit:
-        kept = [p for p in merged.get("PYTHONPATH", "").split(os.pathsep) if p and p != FAST_EXIT]
-        merged.pop("PYTHONPATH", None)
-        merged.update({"PYTHONPATH": os.pathsep.join(kept)} if kept else {})
+              "PYTHONPATH": path}
+    if not path:
+        del merged["PYTHONPATH"]
     return merged
 
 
-FAST_EXIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_exit")
-
-
-def python_path(*folders) -> str:
+def python_path(*folders, fast_exit=True) -> str:
     """PYTHONPATH for a process the test starts: `folders`, then the inherited one, which holds
     tests/fast_exit (conftest's pytest_configure: every process skips the interpreter's final garbage
-    collections)."""
-    return os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
+    collections), left out with fast_exit=False."""
+    inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(p for p in [*map(str, folders), *inherited] if p and (fast_exit or p != FAST_EXIT))
 
 
 def threads_per_rank(nproc: int) -> str:
