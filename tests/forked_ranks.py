@@ -49,13 +49,18 @@ READ_AT_START = ("PYTHON", "TORCH", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_"
 SET_PER_RUN = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS")
 
 
+_preloaded_server = {"pid": None}  # the forkserver that forked_context started with PRELOAD
+
+
 def forked_context():
     """multiprocessing's forkserver, running with PRELOAD imported (restarted with it if something in this
-    process started it without)."""
+    process started it without: a DataLoader here, whose workers' preload is the recipe's own)."""
     server = multiprocessing.forkserver._forkserver
-    if server._preload_modules != PRELOAD:
+    server.set_forkserver_preload(PRELOAD)  # a DataLoader here sets its own list each time
+    if server._forkserver_pid is None or server._forkserver_pid != _preloaded_server["pid"]:
         server._stop()  # not started yet, or by a DataLoader here: without the preload
-        server.set_forkserver_preload(PRELOAD)
+        server.ensure_running()
+        _preloaded_server["pid"] = server._forkserver_pid
     return multiprocessing.get_context("forkserver")
 
 

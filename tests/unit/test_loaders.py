@@ -1,7 +1,8 @@
 """The loaders (dataset_utils.build_loaders): the test shards score every image exactly once for any
 world size, as stored (no augmentation); the device-resident loader yields the DataLoader's batches bit for
 bit (any world size, accumulation, resume position and image shape); a Dataset's integer labels reach the loss
-as int64; the workers' socket fits in the temporary folder's path, or the run is refused."""
+as int64; the workers' socket fits in the temporary folder's path, or the run is refused; the workers are forked
+with torch already imported."""
 import pytest
 import torch
 
@@ -147,3 +148,27 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
         raise AssertionError("looked for the socket's folder without workers")
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", looked)
     data_checks.check_worker_sockets(0)
+
+
+def test_loader_workers_are_forked_from_a_forkserver_that_has_imported_torch():
+    """Each worker inherits torch from the forkserver that forks it instead of importing it again (2 to 3
+    CPU-seconds a worker, at every loader's start): the workers' parent has torch's library loaded. Python
+    before 3.14 never preloads the script there (python/cpython#126631), so the recipe names torch."""
+    import multiprocessing.forkserver
+    server = multiprocessing.forkserver._forkserver
+    server._stop()  # the forkserver the recipe's loaders start, not one a test started here before
+    data = du.ImageData(torch.from_numpy(index_images(16)), torch.arange(16))
+    _, test_loader = support.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1,
+                                           eval_batch=4, seed=0, workers=2, pin_memory=False)
+    batches = iter(test_loader.loader)
+    try:
+        assert len(next(batches)[1]) == 4
+        parents = set()
+        for worker in batches._workers:
+            with open(f"/proc/{worker.pid}/stat") as f:
+                parents.add(int(f.read().rsplit(")", 1)[1].split()[1]))
+        assert parents == {server._forkserver_pid}, "the workers were not forked by the forkserver"
+        with open(f"/proc/{server._forkserver_pid}/maps") as f:
+            assert "libtorch_cpu" in f.read(), "the workers' forkserver had not imported torch"
+    finally:
+        batches._shutdown_workers()
