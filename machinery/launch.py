@@ -64,8 +64,8 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     GPU per LOCAL_RANK on CUDA, gloo on CPU. No group for a single plain process. Returns who this is."""
     # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
     # threads started, it aborts the process at its exit now and then ("terminate called without an active
-    # exception"). So import it first; here, not at the top of a module, since the loader workers' forkserver
-    # imports the modules and never needs it (a second).
+    # exception"). So import it first; here, not at the top of a module, since each loader worker imports the
+    # script's modules again (dataset_utils._forkserver_with_torch) and never needs it (a second).
     import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
