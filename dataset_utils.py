@@ -339,8 +339,9 @@ def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
 
 def _forkserver_with_torch():
     """multiprocessing's forkserver, told to import torch before it forks the workers. Its default is to import
-    the script (`__main__`), but before Python 3.14 that never happens (python/cpython#126631), so each worker
-    ran the script again and imported torch itself: 2 to 3 CPU-seconds a worker, at every loader's start."""
+    the script (`__main__`), but on Pythons without the fix of python/cpython#126631 (3.11 and 3.12 among them)
+    that never happens: each worker runs the script again, and without this imported torch itself too (2 to 3
+    CPU-seconds a worker, at every loader's start); now it finds torch imported."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", "torch"])
     return context

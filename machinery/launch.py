@@ -64,7 +64,7 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     GPU per LOCAL_RANK on CUDA, gloo on CPU. No group for a single plain process. Returns who this is."""
     # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
     # threads started, it aborts the process at its exit now and then ("terminate called without an active
-    # exception"). So import it first; here, not at the top of a module, since each loader worker imports the
+    # exception"). So import it first; here, not at the top of a module, since a loader worker may import the
     # script's modules again (dataset_utils._forkserver_with_torch) and never needs it (a second).
     import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:

@@ -57,10 +57,10 @@ def forked_context():
     process started it without: a DataLoader here, whose workers' preload is the recipe's own)."""
     server = multiprocessing.forkserver._forkserver
     server.set_forkserver_preload(PRELOAD)  # a DataLoader here sets its own list each time
-    if server._forkserver_pid is None or server._forkserver_pid != _preloaded_server["pid"]:
-        server._stop()  # not started yet, or by a DataLoader here: without the preload
-        server.ensure_running()
-        _preloaded_server["pid"] = server._forkserver_pid
+    if server._forkserver_pid is not None and server._forkserver_pid != _preloaded_server["pid"]:
+        server._stop()  # started by a DataLoader here: torch at most, not all of PRELOAD
+    server.ensure_running()  # (re)started with PRELOAD if it is not running
+    _preloaded_server["pid"] = server._forkserver_pid
     return multiprocessing.get_context("forkserver")
 
 

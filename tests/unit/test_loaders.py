@@ -150,13 +150,16 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
     data_checks.check_worker_sockets(0)
 
 
-def test_loader_workers_are_forked_from_a_forkserver_that_has_imported_torch():
+def test_loader_workers_are_forked_from_a_forkserver_that_has_imported_torch(monkeypatch):
     """Each worker inherits torch from the forkserver that forks it instead of importing it again (2 to 3
-    CPU-seconds a worker, at every loader's start): the workers' parent has torch's library loaded. Python
-    before 3.14 never preloads the script there (python/cpython#126631), so the recipe names torch."""
+    CPU-seconds a worker, at every loader's start): the workers' parent has torch's library loaded. Python 3.11
+    and 3.12 never preload the script there (python/cpython#126631), so the recipe names torch."""
     import multiprocessing.forkserver
     server = multiprocessing.forkserver._forkserver
-    server._stop()  # the forkserver the recipe's loaders start, not one a test started here before
+    # the forkserver the recipe's loaders start, from Python's default list: not one a test here started,
+    # nor with the list it set (forked_ranks.PRELOAD has torch)
+    monkeypatch.setattr(server, "_preload_modules", ["__main__"])
+    server._stop()
     data = du.ImageData(torch.from_numpy(index_images(16)), torch.arange(16))
     _, test_loader = support.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1,
                                            eval_batch=4, seed=0, workers=2, pin_memory=False)
