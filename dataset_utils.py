@@ -14,7 +14,6 @@ not depend on the number of ranks or workers, or on whether the run was resumed.
 """
 import functools
 import math
-import multiprocessing
 import os
 import pickle
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from machinery.cifar_archive import CIFAR100_FOLDER, fetch_cifar100
 from machinery.bad_samples import BadSample, check_unreadable, first_readable, read_sample
 from machinery.errors import UserError, call_and_agree
+from machinery.loader_workers import worker_context
 from machinery.signals import deaf_to_stop_signals, stop_signals_held
 from transforms import Augment, Mix, _signed, crop_flip, crop_flip_batch, crop_padding, mix64, pad_images
 
@@ -329,22 +329,12 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
-    """Both loaders' options. A fork of a rank while its process group's threads run can hang the child, so a
-    forkserver (a fresh process that imports torch once) forks the workers; a Dataset must be top-level."""
+    """Both loaders' options. The workers are forked by a forkserver (machinery/loader_workers.py), so a Dataset
+    must be top-level."""
     return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
                 generator=torch.Generator().manual_seed(seed),
                 worker_init_fn=deaf_to_stop_signals if workers else None,
-                multiprocessing_context=_forkserver_with_torch() if workers else None)
-
-
-def _forkserver_with_torch():
-    """multiprocessing's forkserver, told to import torch before it forks the workers. Its default is to import
-    the script (`__main__`), but on Pythons without the fix of python/cpython#126631 (3.11 and 3.12 among them)
-    that never happens: each worker runs the script again, and without this imported torch itself too (2 to 3
-    CPU-seconds a worker, at every loader's start); now it finds torch imported."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "torch"])
-    return context
+                multiprocessing_context=worker_context() if workers else None)
 
 
 class AgreedLoader:

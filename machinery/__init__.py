@@ -11,6 +11,7 @@
                     next
     data_checks.py  what load_data's splits say of themselves (measure_data), their checks and fingerprints
                     and where the loaders keep them (loader_device: the workers checked to be able to start)
+    loader_workers.py  how the DataLoader workers start: a forkserver per rank that has imported torch
     bad_samples.py  samples that do not read: named, skipped (--skip-bad-samples) or stopped on, agreed by
                     all ranks
     image_folders.py  image files as users have them (dataset_utils.image_folder)

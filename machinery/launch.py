@@ -65,7 +65,7 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
     # threads started, it aborts the process at its exit now and then ("terminate called without an active
     # exception"). So import it first; here, not at the top of a module, since a loader worker may import the
-    # script's modules again (dataset_utils._forkserver_with_torch) and never needs it (a second).
+    # script's modules again (machinery/loader_workers.py) and never needs it (a second).
     import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
