@@ -21,10 +21,10 @@ from model import depth_arg, width_arg
 
 # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1
 # per 128 samples, weight decay 5e-4, 200 epochs, x0.2 at 60/120/160; at batch 512 by the linear rule, 5
-# warm-up epochs.
+# warm-up epochs. The whole schedule, always: no early stopping (--patience 0).
 WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
                  reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
-                 momentum=0.9, nesterov=True, weight_decay=5e-4)
+                 momentum=0.9, nesterov=True, weight_decay=5e-4, patience=0)
 
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe
@@ -43,7 +43,8 @@ RECIPES = {
     "original": dict(lr_scaling="none", warmup_epochs=0.0, lr_schedule="constant"),
     # About a minute on a CPU: a WRN-10-2 on the learnable synthetic data, no download (13% -> 89% top-1).
     "cpu-try": dict(dataset="synthetic", depth=10, widen_factor=2, train_size=5000, test_size=1000,
-                    batch_size=128, base_lr=0.1, reference_batch_size=128, epochs=3, out_dir="runs/cpu-try"),
+                    batch_size=128, base_lr=0.1, reference_batch_size=128, epochs=3, patience=0,
+                    out_dir="runs/cpu-try"),
 }
 
 
@@ -84,7 +85,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--target-accuracy", resume=NOTED, type=float, default=0.85,
         help="validation accuracy (fraction) for early stopping")
     add("--patience", resume=NOTED, type=int, default=2,
-        help="stop after this many epochs in a row at or above the target")
+        help="stop after this many epochs in a row at or above the target (0: no early stopping)")
     add = adder(p.add_argument_group("model"))
     add("--depth", resume=MODEL, type=depth_arg, default=16, help="WideResNet depth, 6n+4")
     add("--widen-factor", resume=MODEL, type=width_arg, default=8, help="WideResNet width multiplier k")
@@ -196,10 +197,13 @@ def check_args(args, world_size: int, device: torch.device) -> None:
         raise UserError(f"--epochs must be at least 1, got {args.epochs}")
     if not 0.0 <= args.target_accuracy <= 1.0:
         raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} "
-                        f"(85% is 0.85)")
-    for name in ("patience", "reference_batch_size", "keep_checkpoints"):
+                        f"(85% is 0.85; to train every epoch, turn early stopping off with --patience 0)")
+    for name in ("reference_batch_size", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.patience < 0:
+        raise UserError(f"--patience is a number of epochs in a row at the target, got {args.patience} "
+                        f"(0: no early stopping, every epoch trained)")
     for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch",
                  "checkpoint_every", "skip_bad_samples"):
         if getattr(args, name) < 0:

@@ -200,7 +200,9 @@ class Progress:
 
     def reached_target(self, target: float, patience: int) -> bool:
         """Early stopping: the last `patience` epochs all scored `target` or more (from the all-reduced
-        accuracy, so every rank decides alike)."""
+        accuracy, so every rank decides alike). Never with patience 0: early stopping off."""
+        if patience < 1:
+            return False
         recent = [m["val_acc"] for m in self.history[-patience:]]
         return len(recent) == patience and min(recent) >= target
 
@@ -361,8 +363,20 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     log(f"Data: {data.source}: {len(data.train)} training and {len(data.test)} test images of "
         f"{spec.channels} x {spec.height} x {spec.width}, {spec.num_classes} classes; per-channel mean "
         f"{tuple(round(m, 4) for m in spec.mean)}, std {tuple(round(s, 4) for s in spec.std)}")
+    if cfg.patience:
+        log(describe_early_stopping(cfg))
     for note in [*found.notes, *flag_notes(cfg, found.ckpt)]:
         log(f"note: {note}")
+
+
+def describe_early_stopping(cfg) -> str:
+    """The line that says early stopping is on: the rule, the split that decides, and the way to turn it off."""
+    split = (f"the validation split (--val-size {cfg.val_size})" if cfg.val_size else
+             "the test set (no --val-size: the test set then picks the epoch, and its score is no longer "
+             "an unbiased estimate; --val-size N decides on N held-out training samples)")
+    return (f"Early stopping is on: the run ends once {cfg.patience} epoch{'s' if cfg.patience > 1 else ''} in "
+            f"a row reach accuracy {cfg.target_accuracy:g} on {split}; --patience 0 trains all "
+            f"{cfg.epochs} epochs")
 
 
 def flag_notes(cfg, ckpt: dict | None = None) -> list:

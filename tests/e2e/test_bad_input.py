@@ -47,8 +47,10 @@ def assert_refused(proc, expected, torchrun=False):
     (["--depth", 12], "--depth: WideResNet depth must be 6n+4"),
     (["--epochs", 0], "--epochs must be at least 1, got 0"),
     (["--epochs", -3], "--epochs must be at least 1, got -3"),
-    (["--target-accuracy", 85], "--target-accuracy is a fraction in [0, 1], got 85.0 (85% is 0.85)"),
+    (["--target-accuracy", 85], "--target-accuracy is a fraction in [0, 1], got 85.0 (85% is 0.85;"),
     (["--target-accuracy", -0.1], "--target-accuracy is a fraction in [0, 1]"),
+    (["--target-accuracy", 1.1], "to train every epoch, turn early stopping off with --patience 0"),
+    (["--patience", -1], "--patience is a number of epochs in a row at the target, got -1 (0: no early stopping"),
 ])
 def test_bad_arguments_are_refused_in_one_line(finished_run, args, expected):
     before = snapshot(finished_run)

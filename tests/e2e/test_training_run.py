@@ -97,6 +97,37 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
 
 
+EARLY_STOPPING_LINE = re.compile(r"^Early stopping is on: the run ends once (\d+) epochs? in a row reach accuracy "
+                                 r"([\d.]+) on (.*); --patience 0 trains all (\d+) epochs$", re.M)
+
+
+@pytest.mark.parametrize("recipe", ["wrn-paper", "modern"])
+def test_a_preset_that_follows_a_published_schedule_trains_every_epoch(tmp_path, recipe):
+    """A target any model reaches: the paper's presets still train the epochs asked for, and say nothing of
+    early stopping; the default run says at start that it is on, which split decides and how to turn it off."""
+    run = ["--recipe", recipe, "--dataset", "synthetic", "--train-size", 64, "--test-size", 32, "--batch-size",
+           32, "--epochs", 3, "--warmup-epochs", 0, "--target-accuracy", 0.0, "--log-every", 0, *TINY]
+    full = run_in_process([*run, "--out-dir", tmp_path / "preset"], check=True)
+    assert "Early stopping" not in full.stdout and "Epoch 3/3 completed" in full.stdout
+    assert read_json(tmp_path / "preset" / "summary.json")["stopped_early"] is False
+    # The same flags without the preset: the original script's early stopping, said once at start.
+    default = run_in_process([*run[2:], "--out-dir", tmp_path / "default"], check=True)
+    said = EARLY_STOPPING_LINE.findall(default.stdout)
+    assert len(said) == 1 and said[0][:2] == ("2", "0") and said[0][3] == "3", default.stdout
+    assert said[0][2].startswith("the test set (no --val-size") and "Early stopping after epoch 2." in default.stdout
+    assert default.stdout.index("Early stopping is on") < default.stdout.index("Epoch 1/3")
+
+
+def test_patience_0_turns_early_stopping_off_and_a_validation_split_is_named_as_deciding(tmp_path):
+    run = ["--dataset", "synthetic", "--train-size", 96, "--test-size", 32, "--batch-size", 32, "--epochs", 3,
+           "--target-accuracy", 0.0, "--log-every", 0, *TINY]
+    off = run_in_process([*run, "--patience", 0, "--out-dir", tmp_path / "off"], check=True)
+    assert "Early stopping" not in off.stdout and "Epoch 3/3 completed" in off.stdout
+    held_out = run_in_process([*run, "--patience", 3, "--val-size", 32, "--out-dir", tmp_path / "val"], check=True)
+    said = EARLY_STOPPING_LINE.findall(held_out.stdout)
+    assert [s[:3] for s in said] == [("3", "0", "the validation split (--val-size 32)")], held_out.stdout
+
+
 def test_compiled_ddp_run_saves_a_checkpoint_the_plain_model_loads(tmp_path):
     out = tmp_path / "run"
     # 200 images in batches of 64: a smaller last batch, in training and in evaluation.

@@ -31,6 +31,7 @@ def test_wrn_paper_is_the_wrn_papers_recipe_carried_to_its_batch():
     assert recipe.nesterov and recipe.momentum == 0.9 and recipe.weight_decay == 5e-4
     assert (recipe.base_lr, recipe.reference_batch_size, recipe.lr_scaling) == (0.1, 128, "linear")
     assert recipe.lr_schedule == "step" and recipe.warmup_epochs >= 1
+    assert recipe.patience == 0  # the whole schedule: no early stopping
     assert given == {"recipe"}  # what the command line gave: --evaluate takes the rest from the checkpoint
 
 
