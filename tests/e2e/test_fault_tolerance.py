@@ -2,7 +2,8 @@
 end with the weights of an uninterrupted run, bit for bit), a truncated latest checkpoint (the
 previous one is used, to the same end), a hung peer (a clear timeout in about --timeout; SIGUSR2
 dumps the stacks), a rank that never joins, and a non-finite loss (fp32 and fp16 divergence: a clear
-error, the good checkpoint untouched). (Stop requests and resumes: test_resume.py; a kill during a
+error, the good checkpoint untouched), and a rank killed with kill -9 leaves no process of its run behind (its
+loader workers and their forkserver included). (Stop requests and resumes: test_resume.py; a kill during a
 checkpoint's write: tests/unit/test_checkpoint_files.py.)"""
 import os
 import signal
@@ -11,8 +12,11 @@ import subprocess
 import sys
 import time
 
-from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, launch, launch_forked, launcher_and_ranks,
-                     load_model_state, run_in_process, start, text, wait_for)
+import pytest
+
+import support
+from support import (CKPT_RUN, ROOT, TINY, assert_same_weights, descendants, every_process, launch,
+                     launch_forked, launcher_and_ranks, load_model_state, run_in_process, start, text, wait_for)
 
 
 def workers_of(proc):
@@ -120,3 +124,34 @@ def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
             in proc.stderr)
     assert "--amp bf16" in proc.stderr
     assert (out / "checkpoint.pt").read_bytes() == good
+
+
+def loader_workers_below(pid) -> list:
+    """The DataLoader workers among the processes below `pid` (torch names them pt_data_worker)."""
+    def name(p):
+        try:
+            with open(f"/proc/{p}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    return [p for p in descendants(pid) if name(p) == "pt_data_worker"]
+
+
+@pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
+def test_a_rank_killed_with_sigkill_leaves_no_process_of_its_run(tmp_path, torchrun):
+    """kill -9 of a training process mid-epoch (the OOM killer, Slurm after KillWait): its loader workers and
+    their forkserver, which ignore the stop signals and are not its children, end with it; under torchrun the
+    other rank's too. Nothing of the run is left."""
+    out = tmp_path / "run"
+    run = ["--dataset", "synthetic", "--train-size", 512, "--test-size", 64, "--batch-size", 16, "--epochs", 50,
+           "--out-dir", out, "--log-every", 1, "--loader", "torch", *TINY, "--workers", 1]
+    proc, log = start(run, nproc=2, torchrun=torchrun)
+    wait_for(lambda: "step 1/" in text(log), what="the first step")
+    ranks = launcher_and_ranks(proc)[1:] if torchrun else [proc.pid]
+    wait_for(lambda: all(loader_workers_below(r) for r in ranks), what="each rank's loader workers")
+    run_processes = every_process(proc)
+    assert len(run_processes) >= 1 + 2 * len(ranks)  # the ranks, each with a forkserver and a worker
+    os.kill(ranks[-1], signal.SIGKILL)
+    assert proc.wait(timeout=300) != 0, text(log)
+    wait_for(lambda: all(support.processes().get(p, ("X",))[0] in ("Z", "X") for p in run_processes),
+             timeout=60, what="every process of the killed run to end")
