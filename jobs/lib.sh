@@ -159,6 +159,26 @@ job_preamble() {
 export DDP_STOP_FILE="$PROJECT_DIR/.ddp-stop-${SLURM_JOB_ID:-local}"
 rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
 
+# The line a failed run ends with (a refusal, a failed write, a lost rank: the ranks' one `error:` line) is
+# also left in this file, where torchrun copies its root cause's reason (TORCHELASTIC_ERROR_FILE); srun's
+# tasks write it themselves. run_requeueable prints it last, after torchrun's or srun's own failure report.
+export TORCHELASTIC_ERROR_FILE="$PROJECT_DIR/.ddp-error-${SLURM_JOB_ID:-local}.json"
+rm -f "$TORCHELASTIC_ERROR_FILE"
+
+# The reason in an error file as torch.distributed.elastic writes it ({"message": {"message": ...}}).
+error_reason() {
+    [[ -s "$1" ]] || return 0
+    local line="" python
+    for python in python3 python; do
+        line=$("$python" -c 'import json, sys
+m = json.load(open(sys.argv[1]))["message"]
+print((m["message"] if isinstance(m, dict) else m).splitlines()[-1])' "$1" 2>/dev/null) && break
+    done
+    # no Python on the host (CONTAINER): the message's text, its JSON escapes left as they are
+    [[ -n "$line" ]] || line=$(sed -n 's/^{"message": {"message": "\(.*\)", "extraInfo".*/\1/p' "$1")
+    echo "$line"
+}
+
 # torchrun dies of a SIGUSR1 unless told to forward it to the ranks as it forwards TERM and INT (torch >= 2.9
 # reads this; older ones ignore it). It matters where Slurm signals every process of a step: --signal=USR1@N
 # without B:.
@@ -187,9 +207,10 @@ run_requeueable() {
     wait "$pid" || status=$?
     trap - USR1 TERM
     # The ranks' own word that they stopped on request with a checkpoint (StopRequest.say_stopped).
-    local saved=""
+    local saved="" reason=""
     [[ -e "$DDP_STOP_FILE.saved" ]] && saved=yes
-    rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved"
+    [[ $status -ne 0 ]] && reason=$(error_reason "$TORCHELASTIC_ERROR_FILE")
+    rm -f "$DDP_STOP_FILE" "$DDP_STOP_FILE.saved" "$TORCHELASTIC_ERROR_FILE"
     if [[ $status -ne 0 && ( -n "$STOP_SIGNAL" || -n "$saved" ) ]]; then
         if [[ -n "$saved" ]]; then
             echo "=== $(date -Is): the run stopped on request, checkpointed (the ranks exit 75;" \
@@ -210,6 +231,11 @@ run_requeueable() {
              "preempted job itself where PreemptMode=REQUEUE): to resume, submit the same command again"
         exit "$status"
     fi
-    echo "=== $(date -Is): finished with status $status"
+    if [[ -n "$reason" ]]; then  # the ranks' own line, last in both logs: what a `tail` of either shows
+        echo "=== $(date -Is): finished with status $status: $reason"
+        echo "=== $(date -Is): finished with status $status: $reason" >&2
+    else
+        echo "=== $(date -Is): finished with status $status"
+    fi
     exit "$status"
 }

@@ -82,10 +82,24 @@ def read_sample(data, idx: int, split: str, shape: tuple | None = None):
                if isinstance(image, torch.Tensor) else type(image).__name__)
         want = " x ".join(map(str, shape))
         return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first",
-                          fix=f"make every image {want} in load_data (e.g. "
-                              f"transform=v2.Compose([v2.PILToTensor(), "
-                              f"v2.Resize(({shape[1]}, {shape[2]}))]))")
+                          fix=f"make every image {want}: {resize_fix(data, shape)}")
     return image, label
+
+
+def resize_fix(split, shape: tuple) -> str:
+    """How to give every image of `split` (and of the other split, read alike) the size of `shape` (C, H, W),
+    in the words that fit how load_data reads it: the image-folder reader's size=, a Dataset's transform, or a
+    resize of the tensors load_data builds."""
+    while isinstance(split, Subset):
+        split = split.dataset
+    size = f"({shape[1]}, {shape[2]})"
+    if hasattr(split, "resize_to"):  # dataset_utils.image_folder's folders
+        return f"size={size} in both dataset_utils.image_folder calls of load_data"
+    if isinstance(getattr(split, "images", None), torch.Tensor):  # ImageData: the tensors load_data built
+        return (f"resize both splits' images to {size} in load_data (e.g. torchvision.transforms.v2.functional."
+                f"resize(images, [{shape[1]}, {shape[2]}], antialias=True))")
+    return (f"in load_data, both splits' transform ending in v2.Resize({size}) (e.g. "
+            f"transform=v2.Compose([v2.PILToTensor(), v2.Resize({size})]))")
 
 
 def sample_file(data, idx: int) -> str | None:

@@ -9,10 +9,11 @@ import signal
 import sys
 import textwrap
 
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from machinery.errors import UserError, describe_comm_failure
 from machinery.launch import read_dist_env
-from machinery.output import is_main_process, log
+from machinery.output import is_main_process, log, report_to_launcher
 from machinery.signals import catch_stop_signals
 
 
@@ -24,15 +25,19 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
     args, explicit = parse_flags(parser, recipes, sys.argv[1:] if argv is None else argv)
     try:
-        return main(args, explicit)
+        # record: an exception not caught here (a bug) leaves its traceback in torchrun's failure report
+        return record(main)(args, explicit)
     except KeyboardInterrupt:
-        print(f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save",
-              file=sys.stderr, flush=True)
+        line = f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save"
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
         return 130
     except RuntimeError as e:
         if (why := describe_comm_failure(e, args.timeout)) is None:
             raise
-        print(f"error: rank {read_dist_env().rank}: {why}", file=sys.stderr, flush=True)
+        line = f"error: rank {read_dist_env().rank}: {why}"
+        print(line, file=sys.stderr, flush=True)
+        report_to_launcher(line)
         return 1
 
 
@@ -44,9 +49,10 @@ def run_tool(main, parser, recipes: dict | None = None) -> int:
     catch_stop_signals()
     try:
         args = parser.parse_args() if recipes is None else parse_flags(parser, recipes, sys.argv[1:])[0]
-        return main(args) or 0
+        return record(main)(args) or 0
     except UserError as e:
         log(f"error: {e}", file=sys.stderr)
+        report_to_launcher(f"error: {e}")
         return 2
 
 

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Subset
 
 from dataset_utils import DataSpec, ImageData, data_device
-from machinery.bad_samples import BadSample, Share, first_readable, read_sample
+from machinery.bad_samples import BadSample, Share, first_readable, read_sample, resize_fix
 from machinery.checkpoints import check_same_data
 from machinery.errors import UserError, call_and_agree
 
@@ -27,9 +27,11 @@ def measure_data(train, test) -> DataSpec:
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape != shape:
+        fix = (f"give both {shape[0]} channels in load_data" if test_shape[0] != shape[0] else
+               f"give the test images the training images' size: {resize_fix(test, shape)}")
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test "
                         f"images of {' x '.join(map(str, test_shape))} (channels x height x width): both "
-                        f"splits must hold images of one shape")
+                        f"splits must hold images of one shape; {fix}")
     num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
     for split, name in ((train, "training"), (test, "test")):
         labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)

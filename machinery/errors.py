@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from machinery.output import is_main_process, log
+from machinery.output import is_main_process, log, report_to_launcher
 
 
 class UserError(Exception):
@@ -56,6 +56,7 @@ def leave_on_user_error(e: UserError) -> int:
     """Rank 0 prints the one line; then the ranks leave together, as torchrun kills the other ranks as
     soon as one exits and rank 0 must have said why first. Returns the exit status: 2, or 74 for a
     failed write."""
+    report_to_launcher(f"error: {e}")  # torchrun's failure report names it too
     # no process group: every rank says why, as rank 0 may still be waiting
     if isinstance(e, RendezvousError):
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -50,6 +50,7 @@ class ImageFolderSplit(ImageFolder):
     def __init__(self, root: str, classes: list | None = None, mode: str = "RGB", size=None):
         self.given_classes, self.hidden = classes, []
         size = (size, size) if isinstance(size, int) else size
+        self.resize_to = size  # (height, width) every image is resized to, or None
         read = functools.partial(read_image, mode=mode, size=size)
         super().__init__(root, transform=pil_to_tensor, loader=read,
                          is_valid_file=self.is_visible_image, allow_empty=True)

@@ -27,3 +27,24 @@ def describe_span(seconds: float) -> str:
     return (f"{hours} h {minutes} min" if hours
             else f"{minutes} min" if minutes else f"{max(1, round(seconds))} s")
 
+
+
+def report_to_launcher(line: str) -> None:
+    """Leave the line this rank ends with (a refusal, a failure, a stop) where torchrun looks for a failed
+    rank's reason: the file TORCHELASTIC_ERROR_FILE names (one per rank; a job script may set one for the whole
+    job). torchrun's failure report then shows it as the root cause's `traceback`, instead of <N/A>, and copies
+    it into its own TORCHELASTIC_ERROR_FILE. The format is torch.distributed.elastic's error file's, with the
+    line where a traceback would go. Nothing without the variable; a file that cannot be written is skipped."""
+    import json
+    import time
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # whole: several ranks of one job may write the same file
+    except OSError:
+        pass

@@ -17,7 +17,7 @@ import torch
 
 from machinery.errors import EXIT_STOPPED, UserError, all_reduce_max
 from machinery.launch import read_dist_env
-from machinery.output import is_main_process, log, say
+from machinery.output import is_main_process, log, report_to_launcher, say
 
 
 STOP_CHECK_EVERY = 10  # steps between the ranks' checks for a stop request or a non-finite loss
@@ -77,6 +77,7 @@ class StopRequest:
         checkpointed, whichever way the signal came (to the shell, or to the ranks alone) and whatever the
         launcher's status."""
         log(message)
+        report_to_launcher(message)  # torchrun reports the ranks' 75 as a failure: its report says why
         if self.stop_file and is_main_process():
             with contextlib.suppress(OSError), open(self.stop_file + ".saved", "w") as f:
                 f.write(message + "\n")

@@ -451,6 +451,14 @@ def assert_one_line(output, *parts):
     return errors[0]
 
 
+def torchrun_root_cause(output: str) -> str:
+    """What torchrun's failure report gives as the root cause's reason (its `traceback :` line, the rank's
+    error file), or "" when the report has none."""
+    report = output.rpartition("Root Cause (first observed failure):")[2]
+    found = re.search(r"^\s*traceback\s*:\s*(.*)$", report, re.M)
+    return found.group(1) if found else ""
+
+
 def require_package(name):
     """Skip the test if `name` cannot be imported, with the way to install it; in CI (CI=true, as .ci/run
     sets it) fail instead: the test extra installs it, so a skip there would hide a path CI must run."""

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from support import ACCUM_RUN, TINY, launch, run_in_process, write_cifar100
+from support import ACCUM_RUN, TINY, launch, run_in_process, torchrun_root_cause, write_cifar100
 
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
          "--epochs", 1, *TINY]
@@ -39,6 +39,8 @@ def assert_refused(proc, expected, torchrun=False):
     assert expected in lines[0], lines[0]
     if torchrun:  # torchrun adds its own failure report; none of it comes from our code
         assert "train_ddp.py\", line" not in proc.stdout + proc.stderr
+        # and its root cause is the rank's line, not <N/A> (the ranks leave it in torchrun's error file)
+        assert torchrun_root_cause(proc.stderr) == lines[0], proc.stderr
     else:
         assert "Traceback" not in proc.stdout + proc.stderr
 

@@ -12,7 +12,7 @@ import torch
 
 from support import (ACCUM_RUN, CKPT_RUN, TIMING_METRICS, TINY, assert_close_models, assert_same_weights,
                      launch_forked, load_model_state, launcher_and_ranks, paused, read_json, read_jsonl,
-                     run_in_process, start, text, wait_for, write_cifar100)
+                     run_in_process, start, text, torchrun_root_cause, wait_for, write_cifar100)
 
 TINY_SYNTH = ["--dataset", "synthetic", *TINY, "--device", "cpu"]
 SMALL = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 20, "--batch-size", 32,
@@ -64,6 +64,8 @@ def test_stop_request_mid_epoch_checkpoints_and_resumes_exactly(tmp_path, uninte
     output = text(log)
     assert "Stop requested (stop file" in output and "in epoch 2 after step" in output
     assert "exiting with status 75" in output
+    # torchrun's failure report says why its ranks exited 75
+    assert torchrun_root_cause(output).startswith("Stop requested (stop file"), output
     progress = load_model_state(out)["progress"]
     assert progress["epoch"] == 1 and 0 < progress["position"] < 640, progress  # mid-epoch 2, not at an end
     stop_file.unlink()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch_forked, load_model_state,
-                     paused, read_json, read_jsonl, wait_for)
+                     paused, read_json, read_jsonl, torchrun_root_cause, wait_for)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -161,6 +161,19 @@ def test_job_without_any_torch_environment_fails_at_once_in_one_line(slurm, tmp_
     assert "Training started" not in read(log) and job_field(job, "ExitCode") == "2:0"
 
 
+def test_a_refused_run_s_one_line_ends_the_job_s_log_and_names_torchrun_s_root_cause(slurm, tmp_path):
+    """The ranks refuse in one `error:` line; torchrun's failure report (tens of lines) follows it, with that
+    line as its root cause, and the job script prints it again last: what a `tail` of the log shows."""
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=2"], [*TRAIN, "--batch-size", 63,
+                                                              "--out-dir", tmp_path / "run"])
+    assert wait_job(job, log) == "FAILED", read(log)
+    errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--batch-size 63 must be a positive multiple" in errors[0], read(log)
+    assert torchrun_root_cause(read(log)) == errors[0], read(log)
+    assert re.fullmatch(r"=== \S+: finished with status 1: " + re.escape(errors[0]),
+                        read(log).rstrip().splitlines()[-1]), read(log)
+
+
 def test_gpu_job_whose_torch_sees_no_gpu_stops_in_one_line_unless_the_cpu_is_asked_for(slurm, tmp_path):
     """Slurm grants GPUs; this torch sees none (the CPU build here plays a CPU-only torch, or a missing
     CUDA module): the job stops before training instead of training on the CPU for days."""
@@ -241,6 +254,7 @@ def test_full_disk_under_srun_ends_every_task_in_one_line(tmp_path, node1_fs):
     assert errors[0].startswith(f"error: no space left on device writing the checkpoint after epoch 2 in "
                                 f"{out}; the last good checkpoint, {out}/checkpoint.pt (after epoch 1), is "
                                 f"intact")
+    assert read(log).rstrip().splitlines()[-1].endswith(f": {errors[0]}"), read(log)  # last, after srun's lines
     assert "timed out" not in read(log)
     # Both tasks left on their own with the agreed status (74: a failed write), none killed by srun or by a
     # collective's --timeout: an event, whatever the machine's speed (a wall-time bound failed on a busy one).

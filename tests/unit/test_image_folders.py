@@ -188,3 +188,38 @@ def test_image_folder_resizes_images_of_other_sizes_to_the_size_asked(tmp_path):
     assert data[0][0][:, 4, 3].tolist() == [200, 10, 10]  # resized, not cropped or padded
     assert tuple(du.image_folder(tmp_path, size=5)[1][0].shape) == (3, 5, 5)
     assert [tuple(du.image_folder(tmp_path)[i][0].shape) for i in range(2)] == [(3, 9, 12), (3, 7, 5)]  # as stored
+
+
+def test_splits_of_two_sizes_are_refused_naming_the_way_out_that_fits_the_data(tmp_path):
+    """Image folders: the reader's size= (the README's fix); a torchvision Dataset: a resize in its transform;
+    tensors load_data builds (ImageData): a resize of them. Each names the training images' size."""
+    for split, (w, h) in (("train", (40, 36)), ("test", (44, 40))):  # PIL's (width, height)
+        for name in ("a", "b"):
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new("RGB", (w, h), (200, 10, 10)).save(tmp_path / split / name / "x.png")
+    classes = du.folder_classes(tmp_path / "train")
+    with pytest.raises(UserError) as folders:
+        data_checks.measure_data(du.image_folder(tmp_path / "train", classes),
+                                 du.image_folder(tmp_path / "test", classes))
+    assert str(folders.value).endswith("both splits must hold images of one shape; give the test images the "
+                                       "training images' size: size=(36, 40) in both dataset_utils.image_folder "
+                                       "calls of load_data")
+    # read with the fix: one shape
+    assert {tuple(du.image_folder(tmp_path / split, classes, size=(36, 40))[0][0].shape)
+            for split in ("train", "test")} == {(3, 36, 40)}
+
+    def tensors(h, w):
+        return du.ImageData(torch.zeros(2, 3, h, w, dtype=torch.uint8), torch.tensor([0, 1]))
+    with pytest.raises(UserError) as in_memory:
+        data_checks.measure_data(tensors(36, 40), tensors(40, 44))
+    assert "resize both splits' images to (36, 40) in load_data" in str(in_memory.value)
+    assert "image_folder" not in str(in_memory.value)
+
+
+def test_an_image_of_another_size_in_a_folder_is_named_with_the_reader_s_size_as_the_way_out(tmp_path):
+    for name, (w, h) in (("a", (16, 16)), ("b", (20, 18))):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (w, h), (200, 10, 10)).save(tmp_path / name / "x.png")
+    bad = bad_samples.read_sample(du.image_folder(tmp_path), 1, "training", (3, 16, 16))
+    assert bad.fix == ("make every image 3 x 16 x 16: size=(16, 16) in both dataset_utils.image_folder calls of "
+                       "load_data")

@@ -37,7 +37,7 @@ def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_su
     bad = bad_samples.read_sample(Subset(Files(), [5, 3]), 1, "training", (3, 8, 8))
     assert (bad.file == "/data/cls/3.png"
             and bad.reason == "an image of 3 x 9 x 8 uint8, not 3 x 8 x 8 uint8 like the first")
-    assert "v2.Resize((8, 8))" in bad.fix
+    assert "v2.Resize((8, 8))" in bad.fix  # a Dataset with a transform: a resize in it
     assert bad_samples.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
 
 
