@@ -165,6 +165,7 @@ class ProgressLines:
 
     def __init__(self, every: int, epochs: int = 0):
         self.epochs, self.trained_until, self.between_s = epochs, None, 0.0  # between: evaluation, checkpoint
+        self.base = None  # (step, perf_counter, images) after this epoch's first step here: the pace's start
         self.is_main = is_main_process()
         self.tty = self.is_main and sys.stdout.isatty()
         self.every = 0 if every <= 0 else (min(every, 10) if self.tty else every)  # 0: no progress lines
@@ -179,16 +180,27 @@ class ProgressLines:
         records) counts in the run's ETA."""
         if self.trained_until is not None:
             self.between_s = time.perf_counter() - self.trained_until
+        self.base = None
 
     def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
+        """The line. Its pace, and so its ETA, counts from the end of the epoch's first step here (a resumed
+        epoch: its first step since the resume), which carries the start-up (the loader's workers, cuDNN's
+        search, a compile): on the first step's own line, no ETA yet."""
         self.shown = True
-        eta = elapsed / max(step, 1) * (steps - step)
-        line = (f"  epoch {epoch} step {step}/{steps} | {images / max(elapsed, 1e-9):.0f} img/s | "
-                f"loss {loss:.4f} | epoch ETA {eta:.0f} s")
-        if self.epochs:  # this epoch's rest, then each epoch left at this one's pace, evaluation included
-            run_s = (eta + self.between_s
-                     + (self.epochs - epoch) * (elapsed / max(step, 1) * steps + self.between_s))
-            line += f" | run ETA {describe_span(run_s)}"
+        line = f"  epoch {epoch} step {step}/{steps} | "
+        if self.base is None or step <= self.base[0]:
+            line += (f"{images / max(elapsed, 1e-9):.0f} img/s | loss {loss:.4f} | ETA: from the next steps' "
+                     f"pace (this one carries the start-up)")
+        else:
+            base_step, base_time, base_images = self.base
+            seconds = time.perf_counter() - base_time
+            step_s = seconds / (step - base_step)  # the pace, start-up left out
+            eta = step_s * (steps - step)
+            line += (f"{(images - base_images) / max(seconds, 1e-9):.0f} img/s | loss {loss:.4f} | "
+                     f"epoch ETA {eta:.0f} s")
+            if self.epochs:  # this epoch's rest, then each epoch left at this pace, its evaluation included
+                run_s = eta + self.between_s + (self.epochs - epoch) * (step_s * steps + self.between_s)
+                line += f" | run ETA {describe_span(run_s)}"
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
 
     def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
@@ -196,6 +208,8 @@ class ProgressLines:
         if self.due(step):
             self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1),
                       time.perf_counter() - t0)
+        if self.base is None and self.is_main:  # after the line: its print is start-up too
+            self.base = (step, time.perf_counter(), images)
 
     def clear(self) -> None:
         self.trained_until = time.perf_counter()

@@ -3,6 +3,7 @@ but waiting on the others) exceeds the median of the other ranks' by more than 1
 other's) and by a second or more over the epoch, with the phase that makes most of the difference; waiting
 (sync) never makes a rank slow."""
 import pytest
+import torch
 
 from machinery.timing import PHASES, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, find_slow_rank
 
@@ -73,19 +74,58 @@ def test_the_run_eta_is_the_epochs_left_at_this_session_s_pace_in_plain_units():
                                                        "(ends about ")
 
 
-def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_with_its_evaluation(
-        capsys, monkeypatch):
-    import time
-    from machinery.timing import ProgressLines
+class Clock:
+    """time.perf_counter as the test sets it."""
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import machinery.timing
+    clock = Clock()
+    monkeypatch.setattr(machinery.timing.time, "perf_counter", clock)
     monkeypatch.setenv("RANK", "0")
-    lines = ProgressLines(every=1, epochs=3)
+    return clock
+
+
+def sums(loss=1.0):
+    return torch.tensor([loss * 32, 32.0])
+
+
+def test_the_eta_leaves_out_the_first_step_s_start_up_and_the_first_line_says_so(clock, capsys):
+    """A first step of 100 s (start-up), then 1 s a step: the ETA is 1 s a step, not 104 s over 5."""
+    from machinery.timing import ProgressLines
+    lines = ProgressLines(every=4, epochs=3)
     lines.start()
-    # 5 s left, then 2 epochs of 10 s
-    lines.show(epoch=1, step=5, steps=10, images=320, loss=1.0, elapsed=5.0)
-    lines.clear()
-    lines.trained_until = time.perf_counter() - 4.0  # its evaluation and checkpoint took 4 s
-    lines.start()
-    lines.show(epoch=2, step=5, steps=10, images=320, loss=1.0, elapsed=5.0)  # 5 + 4, then 1 epoch of 10 + 4
+    clock.now = 100.0
+    lines.update(1, 1, 10, 32, sums(), t0=0.0)
+    for step in range(2, 6):
+        clock.now += 1.0
+        lines.update(1, step, 10, 32 * step, sums(), t0=0.0)
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "  epoch 1 step 5/10 | 64 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 25 s"
-    assert out[-1] == "  epoch 2 step 5/10 | 64 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 23 s"
+    assert out == ["  epoch 1 step 1/10 | 0 img/s | loss 1.0000 | ETA: from the next steps' pace (this one "
+                   "carries the start-up)",
+                   # 5 steps left, then 2 epochs of 10 steps
+                   "  epoch 1 step 4/10 | 32 img/s | loss 1.0000 | epoch ETA 6 s | run ETA 26 s"]
+
+
+def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_with_its_evaluation(
+        clock, capsys):
+    from machinery.timing import ProgressLines
+    lines = ProgressLines(every=5, epochs=3)
+    for epoch in (1, 2):
+        lines.start()
+        for step in range(1, 6):  # 1 s a step
+            clock.now += 1.0
+            lines.update(epoch, step, 10, 32 * step, sums(), t0=0.0)
+        clock.now += 5.0  # the rest of the epoch
+        lines.clear()
+        clock.now += 4.0  # its evaluation and checkpoint took 4 s
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "  epoch 1 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 25 s"
+    # 5 + 4, then 1 epoch of 10 + 4
+    assert out[-1] == "  epoch 2 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 23 s"
