@@ -77,16 +77,21 @@ PHASE_COLOURS = {"data": "tab:orange", "compute": "tab:blue", "sync": "tab:red",
                  "other": "tab:gray"}
 
 
+def holds_start_up(row: dict) -> bool:
+    """Whether an epoch's time holds a start-up: the first epoch a process trained (a new run's epoch 1, or a
+    resumed run's first epoch), as train_ddp.py marks it; epoch 1 in records written before the mark."""
+    return row.get("includes_start_up", row["epoch"] == 1 and "includes_start_up" not in row)
+
+
 def plot_runs(run_dirs: list, path: str) -> dict:
     """One figure, `path`: loss, top-1 accuracy (training, and the test set, or with --val-size the validation
-    split and the test set), training throughput (epoch 1, which holds the start-up, marked apart), the LR
-    once, and each rank's split of its step time in the last epoch (rank_times) for the first run. One colour
-    per configuration, one line style per quantity; several seeds of one configuration (NAME-seed0,
-    NAME-seed1, ...) are drawn as their mean with a band from their minimum to their maximum. Returns
-    {path: figure}."""
+    split and the test set), training throughput (the epochs that hold a start-up, epoch 1 and a resumed run's
+    first, marked apart), the LR, and each rank's split of its step time in the last epoch (rank_times). One
+    colour per configuration, one line style per quantity; several seeds of one configuration (NAME-seed0,
+    NAME-seed1, ...) are drawn as their mean with a band from their minimum to their maximum. The LR and the
+    time split are each configuration's first run's, labelled with its name. Returns {path: figure}."""
     plt = _pyplot()
     groups = group_runs(run_dirs)
-    first_rows = next(iter(groups.values()))[0][1]
     held_out = any("test_acc" in m[0] for runs in groups.values() for _, m in runs)
     scored = "validation" if held_out else "test"  # without --val-size the log's "Validation" is the test set
     curves = {"loss": [("train_loss", "train", "-"), ("val_loss", scored, "--")]
@@ -94,8 +99,9 @@ def plot_runs(run_dirs: list, path: str) -> dict:
               "top-1 accuracy": [("train_acc", "train", "-"), ("val_acc", scored, "--")]
               + ([("test_acc", "test", "-.")] if held_out else []),
               "training images/s": [("images_per_s", "", "-")]}
-    ranks = first_rows[-1].get("rank_times")
-    heights = [3, 3, 2, 1.5] + ([2] if ranks else [])
+    # each configuration's first run's ranks in its last epoch, labelled by configuration
+    bars = [(config, rank) for config, runs in groups.items() for rank in runs[0][1][-1].get("rank_times", [])]
+    heights = [3, 3, 2, 1.5] + ([max(2, 0.3 * len(bars))] if bars else [])
     fig, axes = plt.subplots(len(heights), 1, figsize=(10, 3 * len(heights)),
                              gridspec_kw={"height_ratios": heights}, layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -110,18 +116,27 @@ def plot_runs(run_dirs: list, path: str) -> dict:
                     continue
                 values = [[metrics[e][key] for _, metrics in runs] for e in range(n)]
                 mean = [sum(v) / len(v) for v in values]
-                first = 1 if key == "images_per_s" and n > 1 and epochs[0] == 1 else 0  # epoch 1: start-up
-                ax.plot(epochs[first:], mean[first:], linestyle=style, color=colour,
+                # throughput: an epoch that holds a start-up (any seed's) is slower: marked apart, not joined
+                apart = ([e for e in range(n) if any(holds_start_up(metrics[e]) for _, metrics in runs)]
+                         if key == "images_per_s" and n > 1 else [])
+                kept = [e for e in range(n) if e not in apart]
+                ax.plot([epochs[e] for e in kept], [mean[e] for e in kept], linestyle=style, color=colour,
                         marker="o" if n < 30 else None,
                         markersize=3, label=" ".join(filter(None, (config, label))) + seeds)
-                if first:
-                    ax.plot(epochs[:1], mean[:1], linestyle="none", marker="o", markerfacecolor="none",
-                            color=colour, label=f"{config}: epoch 1, with the start-up")
+                if apart:
+                    which = ("epoch 1" if [epochs[e] for e in apart] == [1] else
+                             "epochs " + ", ".join(str(epochs[e]) for e in apart))
+                    ax.plot([epochs[e] for e in apart], [mean[e] for e in apart], linestyle="none", marker="o",
+                            markerfacecolor="none", color=colour,
+                            label=f"{config}: {which}, with the start-up (a new run's or a resume's)")
                 if len(runs) > 1:
                     ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values], color=colour,
                                     alpha=0.15, linewidth=0)
             ax.set_ylabel(ylabel)
-    axes[3].plot(range(1, len(first_rows) + 1), [m["lr"] for m in first_rows], color="black")
+    for i, (config, runs) in enumerate(groups.items()):  # each configuration's schedule, in its colour
+        rows = runs[0][1]
+        axes[3].plot([m["epoch"] for m in rows], [m["lr"] for m in rows], color=colours[i % len(colours)],
+                     label=config if len(groups) > 1 else None)
     axes[3].set_ylabel("LR (epoch's end)")
     for ax in axes[:4]:
         ax.set_xlabel("epoch")
@@ -130,15 +145,18 @@ def plot_runs(run_dirs: list, path: str) -> dict:
         if ax.get_legend_handles_labels()[0]:
             # outside: the curves show
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
-    if ranks:  # where each rank's step time went, in the first run's last epoch
+    if bars:  # where each rank's step time went, in each configuration's last epoch
         ax = axes[4]
-        left = [0.0] * len(ranks)
+        left = [0.0] * len(bars)
+        names = [f"{config + ': ' if len(groups) > 1 else ''}rank {r['rank']} ({r['host']})" for config, r in bars]
         for phase, colour in PHASE_COLOURS.items():
-            widths = [r[f"{phase}_s"] for r in ranks]
-            ax.barh([f"rank {r['rank']} ({r['host']})" for r in ranks], widths, left=left, color=colour,
-                    label=phase)
+            widths = [r[f"{phase}_s"] for _, r in bars]
+            ax.barh(range(len(bars)), widths, left=left, color=colour, label=phase)
             left = [a + b for a, b in zip(left, widths)]
-        ax.set_xlabel(f"seconds per step, epoch {first_rows[-1]['epoch']} of {next(iter(groups))}")
+        ax.set_yticks(range(len(bars)), names)
+        ax.invert_yaxis()  # the first run's ranks on top
+        last = {config: runs[0][1][-1]["epoch"] for config, runs in groups.items()}
+        ax.set_xlabel("seconds per step, in the last epoch: " + ", ".join(f"{c} {e}" for c, e in last.items()))
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.suptitle(describe_runs(run_dirs) or "")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -73,6 +73,7 @@ class StepLog:
         self.clock = Clock(device)
         self.now = self.clock.mark  # a mark in time, read at the epoch's end
         self.marks, self.steps, self.last_bucket, self.ddp = [], 0, None, None
+        self.epochs_finished = 0  # in this process: its first epoch carries the start-up
         self.profiler = Profiler(profile_dir, self.cuda) if profile_dir else None
 
     def start(self) -> None:
@@ -152,6 +153,9 @@ class StepLog:
             mine["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         ranks = all_gather(mine)
         fields = {"rank_times": ranks}
+        if not self.epochs_finished:  # a new run's epoch 1, or a resumed run's first: slower, said so (plots)
+            fields["includes_start_up"] = True
+        self.epochs_finished += 1
         if self.timed and (slow := find_slow_rank(ranks)):
             fields["slow_rank"] = slow
         if self.cuda:

@@ -48,7 +48,8 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
 
 
 # The metrics a resume may change: the timings (each rank's split, a slow rank named, the peak memory).
-TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib")
+TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib",
+                  "includes_start_up")
 
 
 # tests/fast_exit, first on every launched process's PYTHONPATH (conftest's pytest_configure; run_env)

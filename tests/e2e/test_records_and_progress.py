@@ -80,11 +80,16 @@ def test_plot_draws_one_titled_figure_of_loss_accuracy_throughput_lr_and_each_ra
     # Throughput from epoch 2 on; epoch 1, which holds the start-up, marked apart.
     first_ips, first_start = throughput.get_lines()[:2]
     assert list(first_ips.get_xdata()) == [2] and list(first_start.get_xdata()) == [1]
-    assert first_start.get_label() == "first: epoch 1, with the start-up"
-    assert len(lr.get_lines()) == 1  # the LR once, not in every panel
-    # Each rank's split of its step time in the first run's last epoch: a bar per rank, a colour per phase.
-    assert [t.get_text() for t in ranks.get_yticklabels()] == [f"rank {r['rank']} ({r['host']})"
-                                                               for r in rows[-1]["rank_times"]]
+    assert first_start.get_label() == "first: epoch 1, with the start-up (a new run's or a resume's)"
+    # The LR of each run, in its colour and named (not in every panel)
+    assert [(line.get_label(), line.get_color()) for line in lr.get_lines()] == [
+        (name, line.get_color()) for name, line in zip(("first", "second"), accuracy.get_lines()[::2])]
+    # Each rank's split of its step time in each run's last epoch: a bar per rank named by run, a colour per
+    # phase.
+    second_rows = read_jsonl(second / "metrics.jsonl")
+    assert [t.get_text() for t in ranks.get_yticklabels()] == (
+        [f"first: rank {r['rank']} ({r['host']})" for r in rows[-1]["rank_times"]]
+        + [f"second: rank {r['rank']} ({r['host']})" for r in second_rows[-1]["rank_times"]])
     assert ([t.get_text() for t in ranks.get_legend().get_texts()]
             == ["data", "compute", "sync", "optimizer", "other"])
     figure.canvas.draw()  # the legends sit beside the curves, not over them
@@ -110,6 +115,23 @@ def test_plot_draws_the_seeds_of_one_configuration_as_their_mean_with_a_band(two
                                        for a, b in zip(*rows)]
     assert len(ax.collections) == 2  # a band (min to max over the seeds) per quantity
     assert list(ax_lr.get_lines()[0].get_ydata()) == [m["lr"] for m in rows[0]]
+
+
+def test_plot_marks_a_resumed_run_s_first_epoch_as_holding_a_start_up_as_it_marks_epoch_1(tmp_path):
+    """3 epochs, stopped after epoch 1 and resumed: epochs 1 and 2 each began in a new process (slower),
+    epoch 3 did not. The records say which; the plot joins only epoch 3 and marks 1 and 2 apart."""
+    require_package("matplotlib")
+    import plot
+    out = tmp_path / "resumed"
+    run = [*SMALL, "--epochs", 3, "--out-dir", out, "--log-every", 0]
+    run_in_process([*run, "--stop-after-epoch", 1], check=True)
+    run_in_process(run, check=True)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [m.get("includes_start_up", False) for m in rows] == [True, True, False]
+    (figure,) = plot.plot_runs([str(out)], str(tmp_path / "resumed.png")).values()
+    joined, apart = figure.axes[2].get_lines()[:2]
+    assert list(joined.get_xdata()) == [3] and list(apart.get_xdata()) == [1, 2]
+    assert apart.get_label() == "resumed: epochs 1, 2, with the start-up (a new run's or a resume's)"
 
 
 def test_tensorboard_logs_every_epoch_metric_as_a_scalar(tmp_path):
