@@ -122,4 +122,5 @@ def test_a_rank_leaving_with_an_agreed_error_keeps_its_status_when_the_launcher_
     proc = subprocess.run([sys.executable, "-c", LEAVING], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 74, (proc.returncode, proc.stderr)
-    assert proc.stdout == "still leaving\n" and "error: no space left on device" in proc.stderr
+    ours = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo] ")]  # torch 2.8's own
+    assert ours == ["still leaving"] and "error: no space left on device" in proc.stderr
