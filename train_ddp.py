@@ -1,6 +1,6 @@
 """Train a WideResNet on CIFAR-100 with DistributedDataParallel.
 
-    python train_ddp.py --recipe cpu-try                              # one process, about a minute on a CPU
+    python train_ddp.py --recipe cpu-try                              # one process, about 70 s on 2 CPU cores
     torchrun --standalone --nproc_per_node=4 train_ddp.py             # one node, 4 GPUs
     sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 

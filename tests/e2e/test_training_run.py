@@ -69,6 +69,11 @@ def test_readme_one_minute_cpu_run_shows_learning(tmp_path):
                        if line.startswith(".venv/bin/python train_ddp.py --recipe cpu-try"))
     args = command.split("#")[0].split()[2:]
     assert args == ["--recipe", "cpu-try"], command  # the first command stays short
+    # Its time says on what it was measured (cores, idle, the machine, the date) and what a busy machine does.
+    with open(os.path.join(ROOT, "README.md")) as f:
+        said = " ".join(f.read().split("**1. On a CPU**", 1)[1].split("```", 1)[0].split())
+    assert re.search(r"took \d+ s .* on 2 idle cores of an? .+ \(torch [\d.]+, \d{4}-\d\d-\d\d\), and \d+ s on "
+                     r"the same 2 cores while .* busy", said), said
     out = tmp_path / "cpu-try"
     proc = launch([*args, "--out-dir", out, "--log-every", 0], torchrun=False, fast_exit=False)
     accuracies = [float(a) for a in re.findall(r"Validation Accuracy: ([\d.]+)", proc.stdout)]
