@@ -16,7 +16,7 @@ run, the original script's pipeline (the train_ddp.py of the "PyTorch on Olivia"
 in DataLoader workers, fp16 autocast, no channels_last, no compile) and gives the ratio. GPU time is
 taken with CUDA events, CPU time with the wall clock (machinery/timing.py's Clock), after warm-up steps.
 
---cpu-checks (machinery/cpu_checks.py) needs no GPU and takes about two minutes on 2 cores: batched
+--cpu-checks (tools/cpu_checks.py) needs no GPU and takes about two minutes on 2 cores: batched
 tensor augmentation against the PIL per-sample path, per core, and the recipe's loop against a bare loop,
 in CPU time, with a decision against the 3% target (--profile: where the extra time goes). It runs
 WRN-10-1 at batch 64 unless --depth, --widen-factor or --batch-size say otherwise.
@@ -40,15 +40,14 @@ import config
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
-from machinery.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from machinery.cli import run_tool
-from machinery.cpu_checks import cpu_checks, report_cpu_checks
-from machinery.data_checks import loader_device
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
-from machinery.original_script import original_batches, original_steps
 from machinery.output import log
 from machinery.timing import Clock
+from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
+from tools.cpu_checks import cpu_checks, report_cpu_checks
+from tools.original_script import original_batches, original_steps
 
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
 SHAPE_DEFAULTS = {"depth": 16, "widen_factor": 8, "batch_size": 512}
@@ -148,7 +147,7 @@ def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
     train, test = (dataclasses.replace(data, images=data.images[:k], labels=data.labels[:k])
                    for k in (n, 10_000))
     return utils.CheckedData(train, test, utils.measure_data(train, test), {},
-                             loader_device(cfg, env, train, test))
+                             du.loader_device(cfg, env, train, test))
 
 
 def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -> dict:

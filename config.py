@@ -1,5 +1,5 @@
-"""The config's whole story: train_ddp.py's flags, one flat argparse config with a line of help each and,
-beside each, what a resume does with it (resume_rules); the named presets of them (--recipe NAME); the
+"""The config's whole story: train_ddp.py's flags, one flat argparse config with a line of help each, and
+what a resume does with each (RESUME_RULES, a table); the named presets of them (--recipe NAME); the
 argument checks (check_args); and what this run's world makes of them, computed once (make_config: RunConfig).
 A flag added here is cfg.<its name> in the recipe.
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from machinery.checkpoints import ANY, DATA, MODEL, NOTED, QUIET, RECIPE
 from machinery.errors import UserError, all_gather
 from machinery.launch import DistEnv, default_workers, host_name
 from model import depth_arg, width_arg
@@ -48,141 +49,144 @@ RECIPES = {
 }
 
 
-# What a resume does with each flag, declared beside it (add(..., resume=...)), read by
-# machinery/checkpoints.py:
-#   DATA    what the checkpoint trained on: a run on other data must not continue it (refused);
-#   MODEL   what fixes the model's shapes: checked against the checkpoint's model_config (refused);
-#   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);
-#   NOTED   may change (the LR, batch size, schedule): the resumed run's log says what changed;
-#   QUIET   may change without a word (where files go, how fast, what is scored or logged).
-# `before`: what a checkpoint written before the flag existed meant; None: the option was off, so a value that
-# turns it on changes the run. ANY: any value continues it (a decay that means nothing while its option is
-# off).
-DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
-ANY = object()
-
-
-def adder(group):
-    """group.add_argument, taking each flag's resume rule (and `before`) beside its help."""
-    def add(*names, resume: str, before=None, **kwargs):
-        action = group.add_argument(*names, **kwargs)
-        action.resume, action.before = resume, before
-        return action
-    return add
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="CIFAR-100 DDP example with Mixed Precision",
                                 epilog="The defaults are the original script's 5-epoch smoke run.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 allow_abbrev=False)  # --epoch is a typo to name, not --epochs to guess
-    add = adder(p.add_argument_group("the original script's flags"))  # their meaning kept
-    add("--batch-size", resume=NOTED, type=int, default=512,
-        help="global batch size, split evenly over all ranks")
-    add("--epochs", resume=NOTED, type=int, default=5, help="number of epochs to train")
-    add("--base-lr", resume=NOTED, type=float, default=0.01,
-        help="LR for a global batch of --reference-batch-size")
-    add("--target-accuracy", resume=NOTED, type=float, default=0.85,
-        help="validation accuracy (fraction) for early stopping")
-    add("--patience", resume=NOTED, type=int, default=2,
-        help="stop after this many epochs in a row at or above the target (0: no early stopping)")
-    add = adder(p.add_argument_group("model"))
-    add("--depth", resume=MODEL, type=depth_arg, default=16, help="WideResNet depth, 6n+4")
-    add("--widen-factor", resume=MODEL, type=width_arg, default=8, help="WideResNet width multiplier k")
-    add("--dropout", resume=NOTED, type=float, default=0.0, help="dropout between the convs of each block")
-    add = adder(p.add_argument_group("data"))
-    add("--dataset", resume=DATA, choices=["cifar100", "synthetic"], default="cifar100",
-        help="synthetic: learnable, no download")
-    add("--data-dir", resume=QUIET, default="./datasets",
-        help="where cifar-100-python.tar.gz is, or is downloaded to")
-    add("--train-size", resume=DATA, type=int, default=0,
-        help="use only the first N training samples (0: all)")
-    add("--test-size", resume=DATA, type=int, default=0, help="use only the first N test samples (0: all)")
-    add("--loader", resume=QUIET, choices=["auto", "gpu", "torch"], default="auto",
-        help="gpu: data kept on the device (the CPU without CUDA); torch: DataLoader workers; "
-        "auto: gpu on CUDA, else torch")
-    add("--workers", resume=QUIET, type=int, default=-1,
-        help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
-    add("--skip-bad-samples", resume=QUIET, type=int, default=0,
-        help="skip up to N unreadable training samples per epoch (0: stop)")
-    add = adder(p.add_argument_group("optimisation and schedule"))
-    add("--micro-batch", resume=NOTED, type=int, default=None,
-        help="most samples per forward on a rank, more by accumulation")
-    add("--reference-batch-size", resume=NOTED, type=int, default=512,
-        help="the global batch --base-lr was tuned for")
-    add("--lr-scaling", resume=NOTED, choices=["linear", "sqrt", "none"], default="linear",
-        help="LR rule for the batch's ratio")
-    add("--lr-schedule", resume=NOTED, choices=["cosine", "step", "constant"], default="cosine",
-        help="after warm-up: cosine to 0, x0.2 steps at 30/60/80%%, or constant")
-    add("--warmup-epochs", resume=NOTED, type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
-    add("--momentum", resume=NOTED, type=float, default=0.9, help="SGD momentum")
-    add("--nesterov", resume=NOTED, action=argparse.BooleanOptionalAction, default=False,
-        help="Nesterov momentum")
-    add("--weight-decay", resume=NOTED, type=float, default=5e-4, help="SGD weight decay")
-    add("--label-smoothing", resume=NOTED, type=float, default=0.0,
-        help="label smoothing of the training loss")
-    add("--sync-bn", resume=NOTED, action="store_true",
-        help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
-    add("--find-unused-parameters", resume=QUIET, action="store_true",
-        help="let the loss leave parameters out (DDP: cost per step)")
-    add = adder(p.add_argument_group("the modern recipe (each off by default, as in the original script)"))
-    add("--model-ema", resume=RECIPE, action="store_true",
-        help="evaluate and save an EMA of the weights and BatchNorm buffers")
-    add("--model-ema-decay", resume=RECIPE, before=ANY, type=float, default=0.999,
-        help="the EMA's decay per --reference-batch-size samples")
-    add("--clip-grad-norm", resume=RECIPE, type=float, default=None,
-        help="clip the gradients' global norm to N (fp16: unscaled)")
-    add("--auto-augment", resume=RECIPE, choices=["ta_wide"], default=None,
-        help="TrivialAugmentWide on each training image")
-    add("--random-erase", resume=RECIPE, type=float, default=0.0,
-        help="probability of erasing a random box of a training image")
-    add("--mixup-alpha", resume=RECIPE, type=float, default=0.0,
-        help="mixup in each micro-batch: ratio ~ Beta(alpha, alpha)")
-    add("--cutmix-alpha", resume=RECIPE, type=float, default=0.0,
-        help="cutmix in each micro-batch (with mixup: one of them, 50/50)")
-    add("--norm-weight-decay", resume=RECIPE, type=float, default=None,
-        help="weight decay of biases and norm layers (else: --weight-decay)")
-    add("--tta", resume=QUIET, action=argparse.BooleanOptionalAction, default=False,
-        help="evaluation averages the logits of each image and its mirror")
-    add("--val-size", resume=DATA, before=0, type=int, default=0,
-        help="hold N training samples out to validate on (best.pt follows it)")
-    add("--init-from", resume=QUIET, default=None,
-        help="start from a checkpoint's or state_dict's weights (another head: fresh)")
-    add = adder(p.add_argument_group("the run"))
-    add("--recipe", resume=NOTED, choices=sorted(RECIPES), default=None,
-        help="a named preset (below); flags given win over it")
-    add("--out-dir", resume=QUIET, default="./runs/wrn",
-        help="checkpoints, metrics and summary; a checkpoint here is resumed")
-    add("--seed", resume=DATA, type=int, default=0,
-        help="seed for the weights, the data order and augmentation")
-    add("--device", resume=QUIET, choices=["auto", "cuda", "cpu"], default="auto",
-        help="auto: CUDA if available, else CPU")
-    add("--amp", resume=QUIET, choices=["auto", "fp16", "bf16", "off"], default="auto",
-        help="mixed precision; auto: bf16 on GPUs")
-    add("--timeout", resume=QUIET, type=float, default=600,
-        help="seconds before a hung collective or rendezvous fails")
-    add("--log-every", resume=QUIET, type=int, default=50, help="a progress line every N steps (0: none)")
-    add("--checkpoint-every", resume=QUIET, type=int, default=0,
-        help="also checkpoint every N steps (0: at epoch ends only)")
-    add("--keep-checkpoints", resume=QUIET, type=int, default=2, help="how many recent checkpoints to keep")
-    add("--stop-after-epoch", resume=QUIET, type=int, default=0,
-        help="end this run after that epoch, to resume later (0: never)")
-    add("--evaluate", resume=QUIET, action="store_true",
-        help="score the checkpoint in --out-dir on its test set, and exit")
-    add("--compile", resume=QUIET, action="store_true",
-        help="torch.compile the model (slower start, faster steps)")
-    add("--tensorboard", resume=QUIET, action="store_true",
-        help="also log the epoch metrics to out-dir/tensorboard")
-    add("--profile", resume=QUIET, action="store_true",
-        help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
+    g = p.add_argument_group("the original script's flags")  # their meaning kept
+    g.add_argument("--batch-size", type=int, default=512,
+                   help="global batch size, split evenly over all ranks")
+    g.add_argument("--epochs", type=int, default=5, help="number of epochs to train")
+    g.add_argument("--base-lr", type=float, default=0.01,
+                   help="LR for a global batch of --reference-batch-size")
+    g.add_argument("--target-accuracy", type=float, default=0.85,
+                   help="validation accuracy (fraction) for early stopping")
+    g.add_argument("--patience", type=int, default=2,
+                   help="stop after this many epochs in a row at or above the target (0: no early stopping)")
+    g = p.add_argument_group("model")
+    g.add_argument("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
+    g.add_argument("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
+    g = p.add_argument_group("data")
+    g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                   help="synthetic: learnable, no download")
+    g.add_argument("--data-dir", default="./datasets",
+                   help="where cifar-100-python.tar.gz is, or is downloaded to")
+    g.add_argument("--train-size", type=int, default=0,
+                   help="use only the first N training samples (0: all)")
+    g.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
+    g.add_argument("--loader", choices=["auto", "gpu", "torch"], default="auto",
+                   help="gpu: data kept on the device (the CPU without CUDA); torch: DataLoader workers; "
+                   "auto: gpu on CUDA, else torch")
+    g.add_argument("--workers", type=int, default=-1,
+                   help="DataLoader workers per rank (-1: its share of the CPUs, at most 8)")
+    g.add_argument("--skip-bad-samples", type=int, default=0,
+                   help="skip up to N unreadable training samples per epoch (0: stop)")
+    g = p.add_argument_group("optimisation and schedule")
+    g.add_argument("--micro-batch", type=int, default=None,
+                   help="most samples per forward on a rank, more by accumulation")
+    g.add_argument("--reference-batch-size", type=int, default=512,
+                   help="the global batch --base-lr was tuned for")
+    g.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear",
+                   help="LR rule for the batch's ratio")
+    g.add_argument("--lr-schedule", choices=["cosine", "step", "constant"], default="cosine",
+                   help="after warm-up: cosine to 0, x0.2 steps at 30/60/80%%, or constant")
+    g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False,
+                   help="Nesterov momentum")
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    g.add_argument("--label-smoothing", type=float, default=0.0,
+                   help="label smoothing of the training loss")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
+    g.add_argument("--find-unused-parameters", action="store_true",
+                   help="let the loss leave parameters out (DDP: cost per step)")
+    g = p.add_argument_group("the modern recipe (each off by default, as in the original script)")
+    g.add_argument("--model-ema", action="store_true",
+                   help="evaluate and save an EMA of the weights and BatchNorm buffers")
+    g.add_argument("--model-ema-decay", type=float, default=0.999,
+                   help="the EMA's decay per --reference-batch-size samples")
+    g.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="clip the gradients' global norm to N (fp16: unscaled)")
+    g.add_argument("--auto-augment", choices=["ta_wide"], default=None,
+                   help="TrivialAugmentWide on each training image")
+    g.add_argument("--random-erase", type=float, default=0.0,
+                   help="probability of erasing a random box of a training image")
+    g.add_argument("--mixup-alpha", type=float, default=0.0,
+                   help="mixup in each micro-batch: ratio ~ Beta(alpha, alpha)")
+    g.add_argument("--cutmix-alpha", type=float, default=0.0,
+                   help="cutmix in each micro-batch (with mixup: one of them, 50/50)")
+    g.add_argument("--norm-weight-decay", type=float, default=None,
+                   help="weight decay of biases and norm layers (else: --weight-decay)")
+    g.add_argument("--tta", action=argparse.BooleanOptionalAction, default=False,
+                   help="evaluation averages the logits of each image and its mirror")
+    g.add_argument("--val-size", type=int, default=0,
+                   help="hold N training samples out to validate on (best.pt follows it)")
+    g.add_argument("--init-from", default=None,
+                   help="start from a checkpoint's or state_dict's weights (another head: fresh)")
+    g = p.add_argument_group("the run")
+    g.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                   help="a named preset (below); flags given win over it")
+    g.add_argument("--out-dir", default="./runs/wrn",
+                   help="checkpoints, metrics and summary; a checkpoint here is resumed")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed for the weights, the data order and augmentation")
+    g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: CUDA if available, else CPU")
+    g.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
+                   help="mixed precision; auto: bf16 on GPUs")
+    g.add_argument("--timeout", type=float, default=600,
+                   help="seconds before a hung collective or rendezvous fails")
+    g.add_argument("--log-every", type=int, default=50, help="a progress line every N steps (0: none)")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps (0: at epoch ends only)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
+    g.add_argument("--stop-after-epoch", type=int, default=0,
+                   help="end this run after that epoch, to resume later (0: never)")
+    g.add_argument("--evaluate", action="store_true",
+                   help="score the checkpoint in --out-dir on its test set, and exit")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (slower start, faster steps)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also log the epoch metrics to out-dir/tensorboard")
+    g.add_argument("--profile", action="store_true",
+                   help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
     return p
 
 
-def resume_rules(parser=None) -> dict:
-    """dest -> (what a resume does with the flag, what a checkpoint from before it meant), as declared
-    above."""
-    parser = parser or get_args_parser()
-    return {a.dest: (a.resume, a.before) for a in parser._actions if hasattr(a, "resume")}
+# What a resume does with each flag (machinery/checkpoints.py: checkpoint_flags reads this table):
+#   DATA    what the checkpoint trained on: a run on other data must not continue it (refused);
+#   MODEL   what fixes the model's shapes: checked against the checkpoint's model_config (refused);
+#   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);
+#   NOTED   may change (the LR, batch size, schedule): the resumed run's log says what changed;
+#   QUIET   may change without a word (where files go, how fast, what is scored or logged).
+# (RULE, before): for a flag added after checkpoints existed, what a checkpoint written before it meant; None:
+# the option was off, so a value that turns it on changes the run. ANY: any value continues it (a decay that
+# means nothing while its option is off). A flag added to get_args_parser needs its line here (a unit test
+# checks).
+RESUME_RULES = {
+    # the original script's flags
+    "batch_size": NOTED, "epochs": NOTED, "base_lr": NOTED, "target_accuracy": NOTED, "patience": NOTED,
+    # model
+    "depth": MODEL, "widen_factor": MODEL, "dropout": NOTED,
+    # data
+    "dataset": DATA, "data_dir": QUIET, "train_size": DATA, "test_size": DATA, "loader": QUIET, "workers": QUIET,
+    "skip_bad_samples": QUIET,
+    # optimisation and schedule
+    "micro_batch": NOTED, "reference_batch_size": NOTED, "lr_scaling": NOTED, "lr_schedule": NOTED,
+    "warmup_epochs": NOTED, "momentum": NOTED, "nesterov": NOTED, "weight_decay": NOTED,
+    "label_smoothing": NOTED, "sync_bn": NOTED, "find_unused_parameters": QUIET,
+    # the modern recipe
+    "model_ema": RECIPE, "model_ema_decay": (RECIPE, ANY), "clip_grad_norm": RECIPE, "auto_augment": RECIPE,
+    "random_erase": RECIPE, "mixup_alpha": RECIPE, "cutmix_alpha": RECIPE, "norm_weight_decay": RECIPE,
+    "tta": QUIET, "val_size": (DATA, 0), "init_from": QUIET,
+    # the run
+    "recipe": NOTED, "out_dir": QUIET, "seed": DATA, "device": QUIET, "amp": QUIET, "timeout": QUIET,
+    "log_every": QUIET, "checkpoint_every": QUIET, "keep_checkpoints": QUIET, "stop_after_epoch": QUIET,
+    "evaluate": QUIET, "compile": QUIET, "tensorboard": QUIET, "profile": QUIET,
+}
 
 
 # ------------------------------------------------------------------------- the argument checks

@@ -27,7 +27,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import dataset_utils
 import train_utils as utils
 # the flags, their checks, the run's config
-from config import RECIPES, check_args, get_args_parser, make_config
+from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config
 from model import WideResNet
 
 
@@ -332,7 +332,7 @@ def main(args, explicit=frozenset()) -> int:
         check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir
         # the checkpoint to continue, and the flags it rules
-        found = utils.find_checkpoint(args, explicit, env)
+        found = utils.find_checkpoint(args, explicit, env, rules=RESUME_RULES)
         cfg = make_config(args, env, found)  # every flag and what the world makes of them, computed once
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
         return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)

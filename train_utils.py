@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import RunConfig
+from dataset_utils import CheckedData, load_checked_data, measure_data
 from machinery.checkpoints import (Found, check_format, check_room, check_same_model, find_checkpoint,
                                    is_best_epoch, load_initial_weights, save_checkpoint)
 from machinery.cli import run_cli
-from machinery.data_checks import CheckedData, load_checked_data, measure_data
 from machinery.errors import (EXIT_STOPPED, UserError, WriteError, all_gather, call_and_agree,
                               leave_on_user_error)
 from machinery.files import describe_position, write_on_main

@@ -12,11 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import ANY, DATA, NOTED, RECIPE, resume_rules
 from machinery.errors import UserError, WriteError, call_and_agree
 from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
 from machinery.launch import DistEnv
 from machinery.output import log
+
+# What a resume does with a flag: the rules of the recipe's table (config.py: RESUME_RULES), which says for
+# each flag one of these, or (one of these, what a checkpoint written before the flag meant).
+DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
+ANY = object()  # as `before`: any value continues a checkpoint written before the flag
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
@@ -76,9 +80,10 @@ def check_format(ckpt, path: str, required=()) -> None:
                         f"evaluate or resume it with that version, or train afresh in another --out-dir")
 
 
-def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
+def checkpoint_flags(args, explicit: set, ckpt, rules: dict) -> tuple:
     """The flags this run continues `ckpt` with, and notes on what it changes: `args`, but for those the
-    checkpoint rules, as each flag's resume rule in config.py says. `args` itself is left as parsed.
+    checkpoint rules, as each flag's resume rule in `rules` (config.py's RESUME_RULES) says. `args` itself is
+    left as parsed.
 
     Raises UserError if the data, the model or the recipe differ: resuming would mix two runs. --evaluate
     takes every flag it was not given from the checkpoint, so `--evaluate --out-dir D` is enough. A
@@ -87,7 +92,8 @@ def checkpoint_flags(args, explicit: set, ckpt) -> tuple:
     flags = dict(vars(args))
     if ckpt is None:
         return flags, []
-    saved, rules = ckpt["config"], resume_rules()
+    saved = ckpt["config"]
+    rules = {k: rule if isinstance(rule, tuple) else (rule, None) for k, rule in rules.items()}
     evaluate = flags["evaluate"]
     if evaluate:
         flags.update({k: v for k, v in saved.items()
@@ -153,8 +159,9 @@ class Found:
         return describe_model(self.ckpt["model_config"])
 
 
-def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
-    """The newest usable checkpoint in --out-dir, and the flags to continue it with (checkpoint_flags).
+def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
+    """The newest usable checkpoint in --out-dir, and the flags to continue it with (checkpoint_flags, by
+    `rules`: what a resume does with each flag).
     Raises UserError on every rank if this run cannot continue it (the data and the model are checked
     once loaded: check_same_data, check_same_model)."""
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
@@ -163,7 +170,7 @@ def find_checkpoint(args, explicit: set, env: DistEnv) -> Found:
         raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
     if ckpt is not None:
         check_format(ckpt, path)
-    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt)
+    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt, rules)
     call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
     finished = (None if ckpt is None or args.evaluate
                 else call_and_agree(check_finished, ckpt, path, flags, notes))

@@ -1,5 +1,6 @@
 """Image files as users have them, root/<class>/<image>: torchvision's ImageFolder with hidden files left out,
-the classes numbered alike in both splits, and each image read as it looks (EXIF orientation, 16-bit)."""
+the classes numbered alike in both splits, and each image read as it looks (EXIF orientation, 16-bit). The
+reader an adapter calls is dataset_utils.image_folder, which imports this (and torchvision) when called."""
 import functools
 import os
 
@@ -10,30 +11,9 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.functional import pil_to_tensor
 
-from machinery.data_checks import mean_std_of_sums
+from machinery.data_checks import folder_classes
 from machinery.errors import UserError
 from machinery.output import log
-
-
-def folder_classes(root) -> list:
-    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, those that start
-    with "." left out (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the
-    same."""
-    try:
-        names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    except OSError as e:
-        raise UserError(f"cannot read the image folder {root} ({e.strerror}): --data-dir must hold train/ "
-                        f"and test/, each with one folder of images per class") from None
-    if not names:
-        raise UserError(f"the image folder {root} holds no class folders: it needs one folder of images per "
-                        f"class, {root}/<class>/<image>")
-    return names
-
-
-def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None) -> "ImageFolderSplit":
-    """A split of image files, root/<class>/<image> (PNG, JPEG, ...): ImageFolderSplit. `size`: (height,
-    width), or one number for both, to resize images of other sizes to (photos as they come); None: keep."""
-    return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size)
 
 
 class ImageFolderSplit(ImageFolder):
@@ -111,21 +91,3 @@ def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image
         return image
 
 
-def mean_std(split, samples: int = 2000) -> tuple:
-    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact
-    integer sums over `samples` images spread evenly over it (0: every one), so that every rank gets the same
-    numbers; samples that do not read are left out."""
-    n = len(split)
-    picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
-    total = squares = count = 0
-    for i in picked:
-        try:
-            x = split[i][0].to(torch.int64)
-        except Exception:  # noqa: BLE001 - the loader names unreadable samples when it meets them
-            continue
-        total, squares, count = (total + x.sum(dim=(1, 2)), squares + (x * x).sum(dim=(1, 2)),
-                                 count + x[0].numel())
-    if not count:
-        raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
-                        f"cannot compute their mean and std")
-    return mean_std_of_sums(total, squares, count)

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import dataset_utils as du
-from machinery import data_checks
 import train_ddp
 from support import ROOT, SCRIPTS
 from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, Found, check_format,
@@ -59,9 +58,9 @@ def build_run(out_dir, flags=()):
     env = DistEnv()
     cfg = make_config(args, env)
     split = du.load_split("synthetic", "", True, size=64)
-    data = data_checks.CheckedData(split, split, data_checks.measure_data(split, split),
-                                   {"train": data_checks.fingerprint(split),
-                                    "test": data_checks.fingerprint(split)}, None)
+    data = du.CheckedData(split, split, du.measure_data(split, split),
+                                   {"train": du.fingerprint(split),
+                                    "test": du.fingerprint(split)}, None)
     return cfg, env, data, train_ddp.build_training(cfg, env, data)
 
 

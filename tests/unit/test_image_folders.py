@@ -47,7 +47,7 @@ def test_a_test_split_that_names_its_classes_otherwise_is_refused_naming_them(tm
     train, test = (write_folder(tmp_path / "train", train_classes),
                    write_folder(tmp_path / "test", test_classes))
     with pytest.raises(UserError) as e:
-        data_checks.measure_data(plain(train), plain(test))
+        du.measure_data(plain(train), plain(test))
     assert f"the test split's classes are not the training split's: it {named}" in str(e.value)
     fix = ("rename or remove the test split's class folders" if named.startswith("has")
            else "image_folder(path, classes=...)")
@@ -58,7 +58,7 @@ def test_a_test_split_that_lacks_only_the_last_classes_is_taken_and_the_spec_rec
     train, test = (write_folder(tmp_path / "train", ["a", "b", "c"]),
                    write_folder(tmp_path / "test", ["a", "b"]))
     # every test label means the class it means in training
-    spec = data_checks.measure_data(plain(train), plain(test))
+    spec = du.measure_data(plain(train), plain(test))
     assert spec.num_classes == 3 and spec.classes == ("a", "b", "c")
 
 
@@ -69,7 +69,7 @@ def test_a_test_split_numbered_by_hand_with_the_training_class_to_idx_is_taken(t
                     for path, _ in test.samples]
     # .classes as found
     test.class_to_idx, test.targets = dict(train.class_to_idx), [label for _, label in test.samples]
-    assert data_checks.measure_data(train, test).classes == ("a", "b", "c")
+    assert du.measure_data(train, test).classes == ("a", "b", "c")
 
 
 def test_image_folder_numbers_a_test_split_by_the_training_classes(tmp_path):
@@ -79,7 +79,7 @@ def test_image_folder_numbers_a_test_split_by_the_training_classes(tmp_path):
     train, test = du.image_folder(tmp_path / "train", classes), du.image_folder(tmp_path / "test", classes)
     assert test.classes == ["a", "b", "c"] and test.targets == [0, 0, 2, 2]  # c is 2, as in training
     train.mean, train.std = (0.5,) * 3, (0.25,) * 3
-    assert data_checks.measure_data(train, test).num_classes == 3
+    assert du.measure_data(train, test).num_classes == 3
 
 
 def test_image_folder_leaves_out_hidden_files_and_folders_and_says_so(tmp_path, capsys):
@@ -153,7 +153,7 @@ def test_a_mac_appledouble_file_read_by_a_plain_image_folder_is_named_with_the_w
     with pytest.raises(UserError, match="none of its first 10 samples reads; the last: training sample 9 "
                                         ".*/a/._.*it is a Mac's AppleDouble metadata file, not an image: "
                                         "delete them"):
-        data_checks.check_split(plain(root), "training")
+        du.check_split(plain(root), "training")
 
 
 def test_a_broken_symbolic_link_is_named_as_one_with_its_target(tmp_path):
@@ -199,7 +199,7 @@ def test_splits_of_two_sizes_are_refused_naming_the_way_out_that_fits_the_data(t
             Image.new("RGB", (w, h), (200, 10, 10)).save(tmp_path / split / name / "x.png")
     classes = du.folder_classes(tmp_path / "train")
     with pytest.raises(UserError) as folders:
-        data_checks.measure_data(du.image_folder(tmp_path / "train", classes),
+        du.measure_data(du.image_folder(tmp_path / "train", classes),
                                  du.image_folder(tmp_path / "test", classes))
     assert str(folders.value).endswith("both splits must hold images of one shape; give the test images the "
                                        "training images' size: size=(36, 40) in both dataset_utils.image_folder "
@@ -211,7 +211,7 @@ def test_splits_of_two_sizes_are_refused_naming_the_way_out_that_fits_the_data(t
     def tensors(h, w):
         return du.ImageData(torch.zeros(2, 3, h, w, dtype=torch.uint8), torch.tensor([0, 1]))
     with pytest.raises(UserError) as in_memory:
-        data_checks.measure_data(tensors(36, 40), tensors(40, 44))
+        du.measure_data(tensors(36, 40), tensors(40, 44))
     assert "resize both splits' images to (36, 40) in load_data" in str(in_memory.value)
     assert "image_folder" not in str(in_memory.value)
 

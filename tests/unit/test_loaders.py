@@ -95,7 +95,7 @@ def test_a_dataset_s_integer_labels_of_any_kind_reach_the_loss_as_int64():
     items = Files([(torch.full((1, 8, 8), i, dtype=torch.uint8), label) for i, label in
                    enumerate([torch.tensor(0, dtype=torch.int32), np.int64(1), 1, torch.tensor(0)])])
     items.mean, items.std = (0.5,), (0.25,)
-    assert data_checks.measure_data(items, items).num_classes == 2
+    assert du.measure_data(items, items).num_classes == 2
     train, test = support.build_loaders(items, items, batch_size=4, rank=0, world_size=1, accum_steps=1,
                                         eval_batch=4, seed=0, workers=0, pin_memory=False)
     train.batch_sampler.set_epoch(1)

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import dataset_utils as du
-from machinery import data_checks
 from machinery.errors import UserError
 
 
@@ -12,7 +11,7 @@ def test_measure_data_takes_shape_classes_and_statistics_from_the_data():
     images = torch.tensor([[[[0, 255]]], [[[51, 102]]]], dtype=torch.uint8)  # 2 images, 1 x 1 x 2
     train = du.ImageData(images, torch.tensor([0, 3]))
     test = du.ImageData(images[:1], torch.tensor([4]))
-    spec = data_checks.measure_data(train, test)
+    spec = du.measure_data(train, test)
     pixels = torch.tensor([0, 255, 51, 102], dtype=torch.float64) / 255
     # the largest label of either + 1
     assert (spec.channels, spec.height, spec.width, spec.num_classes) == (1, 1, 2, 5)
@@ -20,10 +19,10 @@ def test_measure_data_takes_shape_classes_and_statistics_from_the_data():
     assert spec.std == pytest.approx((pixels.std(unbiased=False).item(),), abs=1e-12)
     # What a split states is taken as stated.
     stated = du.ImageData(images, torch.tensor([0, 3]), num_classes=10, mean=(0.5,), std=(0.25,))
-    assert data_checks.measure_data(stated, test) == du.DataSpec(1, 1, 2, 10, (0.5,), (0.25,))
+    assert du.measure_data(stated, test) == du.DataSpec(1, 1, 2, 10, (0.5,), (0.25,))
     # A constant channel keeps its scale (std 1) rather than dividing by zero.
     flat = du.ImageData(torch.full((2, 1, 2, 2), 7, dtype=torch.uint8), torch.tensor([0, 1]))
-    assert data_checks.measure_data(flat, flat).std == (1.0,)
+    assert du.measure_data(flat, flat).std == (1.0,)
 
 
 class Files(list):
@@ -54,5 +53,5 @@ class Files(list):
 ])
 def test_measure_data_refuses_what_the_loaders_cannot_take_in_one_line(train, test, says):
     with pytest.raises(UserError) as e:
-        data_checks.measure_data(train, test if test is not None else train)
+        du.measure_data(train, test if test is not None else train)
     assert says in str(e.value) and "\n" not in str(e.value)

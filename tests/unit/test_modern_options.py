@@ -10,7 +10,6 @@ import torch
 
 import dataset_utils as du
 import support
-from machinery import data_checks
 import transforms
 import train_utils
 from machinery.checkpoints import load_initial_weights
@@ -67,7 +66,7 @@ def test_random_erasing_fills_one_box_of_the_fill_colour_with_its_probability():
 
 def test_both_loaders_give_the_same_augmented_batches():
     data = du.ImageData(random_images(40), torch.arange(40) % 10)
-    spec = data_checks.measure_data(data, data)
+    spec = du.measure_data(data, data)
     common = dict(batch_size=8, rank=1, world_size=2, accum_steps=1, eval_batch=8, seed=5, workers=0,
                   pin_memory=False, augment={**AUGMENT, "mixup_alpha": 0.2, "cutmix_alpha": 1.0}, spec=spec)
     (torch_train, _), (dev_train, _) = (
@@ -117,14 +116,14 @@ def test_mixup_and_cutmix_mix_each_virtual_rank_alike_for_any_ranks_x_micro_step
 
 def test_the_validation_split_is_held_out_the_same_whatever_the_seed_and_never_trained():
     data = du.ImageData(random_images(50, 1, (4, 4)), torch.arange(50))
-    train, val = data_checks.hold_out(data, 12)
-    again, val_again = data_checks.hold_out(data, 12)
+    train, val = du.hold_out(data, 12)
+    again, val_again = du.hold_out(data, 12)
     assert len(val) == 12 and len(train) == 38
     assert torch.equal(val.labels, val_again.labels) and torch.equal(train.labels, again.labels)
     assert not set(train.labels.tolist()) & set(val.labels.tolist())
     assert sorted(train.labels.tolist() + val.labels.tolist()) == list(range(50))
     with pytest.raises(UserError, match="--val-size 50 leaves no training samples"):
-        data_checks.hold_out(data, 50)
+        du.hold_out(data, 50)
 
 
 def test_ema_decay_is_per_reference_batch_so_its_horizon_in_samples_keeps_with_the_batch():
@@ -197,6 +196,15 @@ def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():
             == [True, True, False, False, True, False])
 
 
+def test_every_flag_has_a_resume_rule_and_every_rule_a_flag():
+    import config
+    from machinery import checkpoints
+    rules = config.RESUME_RULES
+    assert set(rules) == set(vars(config.get_args_parser().parse_args([])))
+    kinds = {checkpoints.DATA, checkpoints.MODEL, checkpoints.RECIPE, checkpoints.NOTED, checkpoints.QUIET}
+    assert all((rule[0] if isinstance(rule, tuple) else rule) in kinds for rule in rules.values())
+
+
 @pytest.mark.parametrize("change, says", [
     (["--mixup-alpha", "0.2"], "--mixup-alpha 0.2 differs from the None the checkpoint"),
     (["--model-ema"], "leave --model-ema out to continue it"),
@@ -207,12 +215,13 @@ def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_o
     import config
     from machinery.checkpoints import checkpoint_flags
     before = vars(config.get_args_parser().parse_args([]))
-    recipe_flags = [k for k, (rule, _) in config.resume_rules().items() if rule == config.RECIPE]
+    recipe_flags = [k for k, rule in config.RESUME_RULES.items() if config.RECIPE in (rule, rule[0])]
     assert "mixup_alpha" in recipe_flags and "model_ema" in recipe_flags
     saved = {k: v for k, v in before.items() if k not in recipe_flags + ["val_size", "tta", "init_from"]}
     ckpt = {"config": {**saved, "micro_batch_size": 512}, "model_config": {"depth": 16, "widen_factor": 8}}
     # may change
-    flags, notes = checkpoint_flags(config.get_args_parser().parse_args(["--tta"]), {"tta"}, ckpt)
+    flags, notes = checkpoint_flags(config.get_args_parser().parse_args(["--tta"]), {"tta"}, ckpt,
+                                    config.RESUME_RULES)
     assert flags["tta"] and notes == []
     with pytest.raises(UserError, match=says):
-        checkpoint_flags(config.get_args_parser().parse_args(change), set(), ckpt)
+        checkpoint_flags(config.get_args_parser().parse_args(change), set(), ckpt, config.RESUME_RULES)

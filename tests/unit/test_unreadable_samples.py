@@ -8,7 +8,6 @@ from torch.utils.data import Dataset, Subset
 import dataset_utils as du
 import support
 from machinery import bad_samples
-from machinery import data_checks
 from machinery.errors import UserError
 
 
@@ -42,7 +41,7 @@ def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_su
 
 
 def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_split_and_never_skipped():
-    kept, held = data_checks.hold_out(Files(), 1)
+    kept, held = du.hold_out(Files(), 1)
     assert held.indices == [2] and kept.indices == [0, 1, 3, 4, 5]  # the fixed permutation holds sample 2 out
     bad = bad_samples.read_sample(held, 0, "validation", (3, 8, 8))
     assert (bad.index, bad.file) == (2, "/data/cls/2.png")

@@ -17,8 +17,8 @@ import dataset_utils as du
 import train_ddp
 import train_utils as utils
 import transforms
-from machinery.benchmark import TrainSteps
-from machinery.original_script import original_transform
+from tools.benchmark import TrainSteps
+from tools.original_script import original_transform
 from machinery.output import log
 
 WARMUP_ROUNDS = 24  # untimed rounds of the loop-overhead check: one in each order of its four loops
@@ -142,7 +142,7 @@ def loop_overhead_check(args, cfg, env) -> dict:
         same batches, with its normalisation left out: the same work as bare, so the difference is the
         loop's bookkeeping;
       recipe: the recipe's loop end to end: the device loader (gather, crop, flip), normalisation, train_step.
-    and then the data path alone (the device loader and normalisation). TrainSteps (machinery/benchmark.py):
+    and then the data path alone (the device loader and normalisation). TrainSteps (tools/benchmark.py):
     the recipe's loop run N steps at a time. A step of the recipe's loop is a whole epoch of it, so its work
     per epoch (the epoch's order and sums) counts in every step: an upper bound. Steps are timed in this
     process's CPU time, which other processes on the same cores inflate far less than the wall clock, and

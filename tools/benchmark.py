@@ -1,6 +1,6 @@
 """What bench.py measures with: the recipe's own loop run N steps at a time (TrainSteps), the same loop with
 timer marks between the phases of each step (time_phases), and the device's facts (its name, its dense
-bf16/fp16 peak, an image's FLOPs). bench.py and --cpu-checks (machinery/cpu_checks.py) both time TrainSteps."""
+bf16/fp16 peak, an image's FLOPs). bench.py and --cpu-checks (tools/cpu_checks.py) both time TrainSteps."""
 import dataclasses
 import os
 import platform

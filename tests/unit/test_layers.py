@@ -1,0 +1,89 @@
+"""The layers point one way: the core (the recipe and its five modules) imports machinery/, which imports no
+core module and no tool; the tools sit above both; and no module imports itself back through others. Every
+import counts: at the top, inside a function, or in a module __getattr__."""
+import ast
+import os
+
+from support import ROOT
+
+CORE = {"train_ddp", "config", "dataset_utils", "model", "transforms", "train_utils"}
+TOOLS = {"bench", "preflight", "plot", "tools"}
+
+
+def project_modules() -> dict:
+    """{module name: file} of the project's own Python modules (the top level, machinery/, tools/)."""
+    found = {name[:-3]: os.path.join(ROOT, name) for name in os.listdir(ROOT) if name.endswith(".py")}
+    for package in ("machinery", "tools"):
+        for name in os.listdir(os.path.join(ROOT, package)):
+            if name.endswith(".py"):
+                module = package if name == "__init__.py" else f"{package}.{name[:-3]}"
+                found[module] = os.path.join(ROOT, package, name)
+    return found
+
+
+def imports_of(path: str, modules: dict) -> set:
+    """The project's modules that the file imports, anywhere in it."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}  # from machinery import errors
+    return {name for name in names if name in modules}
+
+
+def import_graph() -> dict:
+    modules = project_modules()
+    return {module: imports_of(path, modules) - {module} for module, path in modules.items()}
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_machinery_imports_no_core_module_and_no_tool():
+    upward = {module: sorted(m for m in imported if top(m) in CORE | TOOLS)
+              for module, imported in import_graph().items() if top(module) == "machinery"}
+    assert {m: up for m, up in upward.items() if up} == {}
+
+
+def test_the_core_imports_no_tool():
+    upward = {module: sorted(m for m in imported if top(m) in TOOLS)
+              for module, imported in import_graph().items() if module in CORE}
+    assert {m: up for m, up in upward.items() if up} == {}
+
+
+def find_cycle(graph: dict) -> list:
+    """One import cycle [a, b, ..., a], or [] if there is none."""
+    state, stack = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if state.get(imported) == "open":
+                return stack[stack.index(imported):] + [imported]
+            if imported not in state and (cycle := visit(imported)):
+                return cycle
+        stack.pop()
+        state[module] = "done"
+        return []
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return []
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert find_cycle(import_graph()) == []
+
+
+def test_the_layer_checks_find_a_planted_upward_import_and_a_cycle():
+    """The checks above can fail: a machinery module that imported the recipe, and a circle, are found."""
+    graph = import_graph()
+    planted = {**graph, "machinery.errors": graph["machinery.errors"] | {"dataset_utils"}}
+    assert find_cycle(planted)  # dataset_utils imports machinery.errors
+    assert top("dataset_utils") in CORE
