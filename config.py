@@ -29,15 +29,8 @@ WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=5
 
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe
-    # The WRN paper's recipe with the mirror at evaluation (--tta): what the rule in bench-results/README.md
-    # ("Does --recipe modern earn its name?") left it, over four Fashion-MNIST regimes (a WRN-10-2, 5 seeds
-    # each). No composition earned the name; the mirror alone was never behind (+0.04 to +0.27 points) nor
-    # ahead with t >= 2: this preset is not measurably better than wrn-paper. Mixup 0.2, in it until
-    # 2026-11-25, gained with the mirror where the model fits few images over many epochs (+0.42 on 250
-    # images x 120 epochs, +0.59 on 500 x 60) and cost where training stops early (-0.60 on 1,000 x 24,
-    # t = -2.6; -0.52 on 5,000 x 10): add --mixup-alpha 0.2 for a long run on little data. TrivialAugment,
-    # random erasing, cutmix, clipping, the weight EMA and weight decay apart for norm layers did not come out
-    # ahead: each is a flag away.
+    # The WRN paper's recipe with the mirror at evaluation (--tta): the measured composition, no better than
+    # wrn-paper (bench-results/README.md, "Does --recipe modern earn its name?").
     "modern": dict(**WRN_PAPER, tta=True),
     # The original script's LR: --base-lr as given for any batch, constant, no warm-up. With its job's flags
     # (--batch-size 1024 --epochs 100 --base-lr 0.04 --target-accuracy 0.95 --patience 2) it trains at 0.04.

@@ -13,7 +13,9 @@ follow); then the DDP story: train_step, train_one_epoch, evaluate, and train(),
 the model in DDP and loops over the epochs. For a task other than classification, also change loss_fn and the
 metrics in evaluate().
 """
+import datetime
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -267,7 +269,8 @@ def train(cfg, env, found, lock) -> int:
         for epoch in progress.epochs_left(cfg.epochs):
             if train_one_epoch(model, training, run, epoch=epoch):
                 return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
-            stopping = stop.check(env.device, progress.sums, training.scaler.is_enabled())  # agreed; NaN errs
+            stopping = stop.check(env.device, **utils.loss_counts(progress.sums),  # agreed; NaN errs
+                                  allow_nonfinite=training.scaler.is_enabled())
             score = functools.partial(evaluate, eval_model, normalize=training.normalize,
                                       amp_dtype=cfg.amp_dtype, tta=cfg.tta)
             val = score(training.test_loader, expected_count=len(data.test))  # the original's "validation"
@@ -322,13 +325,29 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     return 0
 
 
+def init_distributed(device: str, timeout_s: float) -> utils.DistEnv:
+    """Who this process is (rank, local_rank, world_size: torchrun's variables, which srun's tasks adopt),
+    its device, and the process group the ranks meet in: NCCL with one GPU per LOCAL_RANK, or gloo on CPUs.
+    A plain `python train_ddp.py` is one process, in no group."""
+    env = utils.read_launcher(device)
+    if "RANK" in os.environ:  # a launcher started this process as one of a group
+        if env.cuda:
+            torch.cuda.set_device(env.device)  # before the group, or every rank piles onto GPU 0
+        # A collective that waits longer than `timeout` fails, with a line naming the ranks that never came.
+        with utils.rendezvous(env, timeout_s) as store:  # a failed meeting: one line, not a traceback
+            dist.init_process_group(backend="nccl" if env.cuda else "gloo",
+                                    timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=env.device if env.cuda else None, **store)
+    return env
+
+
 def main(args, explicit=frozenset()) -> int:
     """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
     evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
     write)."""
     lock = None
     try:
-        env = utils.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
+        env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
         check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir
         # the checkpoint to continue, and the flags it rules

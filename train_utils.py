@@ -28,7 +28,7 @@ from machinery.cli import run_cli
 from machinery.errors import (EXIT_STOPPED, UserError, WriteError, all_gather, call_and_agree,
                               leave_on_user_error)
 from machinery.files import describe_position, write_on_main
-from machinery.launch import DistEnv, init_distributed
+from machinery.launch import DistEnv, init_distributed, read_launcher, rendezvous
 from machinery.lock import lock_out_dir
 from machinery.output import log
 from machinery.records import RunFiles
@@ -36,10 +36,11 @@ from machinery.signals import STOP_CHECK_EVERY, StopRequest
 from machinery.timing import StepLog
 
 __all__ = [  # what the recipe calls, from here or from the machinery
-    "run_cli", "init_distributed", "lock_out_dir", "find_checkpoint",
+    "run_cli", "read_launcher", "rendezvous", "init_distributed", "lock_out_dir", "find_checkpoint",
     "load_checked_data", "measure_data", "CheckedData",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch",
-    "lr_factor", "sync_gradients", "step_stats", "RunControl", "recompute_bn_stats", "NO_FORWARD_BUFFER_SYNC",
+    "lr_factor", "sync_gradients", "step_stats", "loss_counts", "RunControl", "recompute_bn_stats",
+    "NO_FORWARD_BUFFER_SYNC",
     "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
 
@@ -85,6 +86,12 @@ EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_
               "correct")  # and the samples whose top prediction is their label (with mixup: its larger share)
 
 
+def loss_counts(sums) -> dict:
+    """The epoch's samples so far and those whose loss was finite, from its sums (EPOCH_SUMS, by name): what
+    StopRequest.check needs to tell a diverging loss."""
+    return {name: sums[EPOCH_SUMS.index(name)] for name in ("finite_samples", "samples")}
+
+
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
                grad_norm: torch.Tensor | None = None, counted: bool = True):
     """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's, from its summed loss over n samples and the
@@ -123,7 +130,7 @@ class RunControl:
         if progress.step % STOP_CHECK_EVERY and not checkpoint_due:
             return False
         loader.check()  # before any checkpoint: what it trained without is agreed on, named and counted
-        stopping = stop.check(sums.device, sums, allow_nonfinite)  # all ranks agree
+        stopping = stop.check(sums.device, **loss_counts(sums), allow_nonfinite=allow_nonfinite)  # all agree
         if stopping or checkpoint_due:
             progress.elapsed_s = time.perf_counter() - self.epoch_start
             total = sums.clone()

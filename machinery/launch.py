@@ -2,6 +2,7 @@
 device, the process group, and why a rendezvous failed."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -58,10 +59,9 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(device: str, timeout_s: float) -> DistEnv:
-    """Join the launcher's process group: this process's rank and world size (srun's tasks adopt
-    torchrun's variables first), its device (`device`: auto, cuda or cpu), and the group: NCCL with one
-    GPU per LOCAL_RANK on CUDA, gloo on CPU. No group for a single plain process. Returns who this is."""
+def read_launcher(device: str) -> DistEnv:
+    """Who this process is, from its launcher: torchrun's RANK, LOCAL_RANK and WORLD_SIZE (srun's tasks adopt
+    torchrun's variables first), and its device (`device`: auto, cuda or cpu; one GPU per LOCAL_RANK)."""
     # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
     # threads started, it aborts the process at its exit now and then ("terminate called without an active
     # exception"). So import it first; here, not at the top of a module, since a loader worker may import the
@@ -71,26 +71,26 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
     env = read_dist_env()
     env.device = pick_device(device, env.local_rank)
-    if "RANK" in os.environ:
-        join_process_group(env, timeout_s)
     return env
 
 
-def join_process_group(env: DistEnv, timeout_s: float) -> None:
-    """init_process_group, with a fresh store namespace per torchrun restart, and one line on failure."""
-    if env.cuda:
-        torch.cuda.set_device(env.device)  # before init, or every rank piles onto GPU 0
-    backend = "nccl" if env.cuda else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = None
+@contextlib.contextmanager
+def rendezvous(env: DistEnv, timeout_s: float):
+    """Around init_process_group: yields the keywords it needs besides backend and timeout ({}, or under a
+    torchrun restart a fresh store namespace with this rank and the world size); a failed meeting (a
+    timeout, an unreachable address) becomes one line (RendezvousError); once met, each rank notes its host
+    in the store, so that a later timeout can name the host of a rank that never came."""
+    store = {}
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps one store across --max-restarts, so restarted ranks would read the dead
         # ranks' gloo addresses (or NCCL id) and wait for them forever: a fresh namespace per attempt.
         # The attempt count is each agent's own, so this is exact on one node only; with several
         # agents, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see below).
-        store = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout))
+        store = {"store": dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
+                     os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout_s))),
+                 "rank": env.rank, "world_size": env.world_size}
         if (env.is_main and env.world_size > env.local_world_size
                 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))):
             print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node "
@@ -98,15 +98,25 @@ def join_process_group(env: DistEnv, timeout_s: float) -> None:
                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, as jobs/multinode.sh does",
                   file=sys.stderr, flush=True)
     try:
-        dist.init_process_group(backend, store=store, rank=env.rank if store else -1,
-                                world_size=env.world_size if store else -1, timeout=timeout,
-                                device_id=env.device if backend == "nccl" else None)
+        yield store
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
         if (why := describe_init_failure(e, env, timeout_s)) is None:
             raise
         raise RendezvousError(why) from None
-    # a timeout's line can then name the host of a rank that never came
     note_host_in_store(env.rank, host_name())
+
+
+def init_distributed(device: str, timeout_s: float) -> DistEnv:
+    """For the tools (bench.py, preflight.py) and test scripts: what train_ddp.py's own init_distributed does,
+    in one call. Returns who this is."""
+    env = read_launcher(device)
+    if "RANK" in os.environ:
+        if env.cuda:
+            torch.cuda.set_device(env.device)
+        with rendezvous(env, timeout_s) as store:
+            dist.init_process_group("nccl" if env.cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=env.device if env.cuda else None, **store)
+    return env
 
 
 def gather_ranks(env: DistEnv) -> list:

@@ -82,20 +82,21 @@ class StopRequest:
             with contextlib.suppress(OSError), open(self.stop_file + ".saved", "w") as f:
                 f.write(message + "\n")
 
-    def check(self, device, sums, allow_nonfinite: bool) -> bool:
+    def check(self, device, *, finite_samples, samples, allow_nonfinite: bool) -> bool:
         """One small all-reduce: True if any rank was asked to stop. Raises if any rank's loss went
-        non-finite (`sums`, a tensor or list as from loss_stats: this epoch's loss * n, finite n, n). With
-        fp16 the grad scaler skips the odd overflowing step, so only divergence stops the run: a majority
-        of non-finite losses since the previous check."""
-        sums = torch.as_tensor(sums, dtype=torch.float64, device=device)
+        non-finite: of this epoch's `samples` so far, only `finite_samples` had a finite loss (numbers or
+        0-d tensors). With fp16 the grad scaler skips the odd overflowing step, so only divergence stops the
+        run: a majority of non-finite losses since the previous check."""
+        counts = torch.stack([torch.as_tensor(n, dtype=torch.float64).to(device)
+                              for n in (finite_samples, samples)])
         if allow_nonfinite:
-            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(sums)
-            prev = torch.where(sums[2] >= prev[2], prev, 0.0)  # the sums restarted with a new epoch
-            self.prev_sums = sums.clone()
-            finite, count = sums[1] - prev[1], sums[2] - prev[2]
+            prev = self.prev_sums if self.prev_sums is not None else torch.zeros_like(counts)
+            prev = torch.where(counts[1] >= prev[1], prev, 0.0)  # the counts restarted with a new epoch
+            self.prev_sums = counts.clone()
+            finite, count = counts - prev
             diverged = finite < 0.5 * count
         else:
-            diverged = sums[1] < sums[2]
+            diverged = counts[0] < counts[1]
         flags = torch.stack([torch.full((), float(self.requested_here()), device=device),
                              diverged.to(device=device, dtype=torch.float32)])
         stop, bad = all_reduce_max(flags).tolist()

@@ -51,7 +51,7 @@ def test_a_signal_inside_is_a_stop_request_named_in_reason(sig, monkeypatch):
         assert not stop.requested_here() and stop.reason == "on another rank"  # nothing here: another rank's
         os.kill(os.getpid(), sig)
         assert stop.requested_here() and stop.reason == sig.name
-        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is True
+        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is True
     assert signal.getsignal(sig) == before
 
 
@@ -59,9 +59,9 @@ def test_the_stop_file_is_a_stop_request(tmp_path, monkeypatch):
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("DDP_STOP_FILE", str(stop_file))
     with StopRequest() as stop:
-        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is False
+        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is False
         stop_file.touch()
-        assert stop.check(torch.device("cpu"), [0.0, 32.0, 32.0], False) is True
+        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is True
         assert stop.reason == f"stop file {stop_file}"
 
 
@@ -70,21 +70,21 @@ def test_nonfinite_loss_policy():
     those steps, only a majority of them since the previous check (divergence) does."""
     cpu = torch.device("cpu")
 
-    def sums(bad_steps, steps):  # loss * n, finite n, n for `steps` steps of 32 samples
-        return torch.tensor([1.0, (steps - bad_steps) * 32, steps * 32], dtype=torch.float64)
-    assert StopRequest().check(cpu, sums(0, 10), False) is False
+    def sums(bad_steps, steps):  # finite n, n for `steps` steps of 32 samples
+        return {"finite_samples": (steps - bad_steps) * 32, "samples": torch.tensor(steps * 32.0)}
+    assert StopRequest().check(cpu, **sums(0, 10), allow_nonfinite=False) is False
     with pytest.raises(UserError, match="became NaN or infinite"):
-        StopRequest().check(cpu, sums(1, 10), False)
+        StopRequest().check(cpu, **sums(1, 10), allow_nonfinite=False)
     fp16 = StopRequest()
-    assert fp16.check(cpu, sums(4, 10), True) is False  # overflows the scaler skips
-    assert fp16.check(cpu, sums(8, 20), True) is False  # 4 of the last 10
+    assert fp16.check(cpu, **sums(4, 10), allow_nonfinite=True) is False  # overflows the scaler skips
+    assert fp16.check(cpu, **sums(8, 20), allow_nonfinite=True) is False  # 4 of the last 10
     with pytest.raises(UserError, match="most fp16 steps since the last check"):
-        fp16.check(cpu, sums(14, 30), True)  # 6 of the last 10, though 14 of all 30
+        fp16.check(cpu, **sums(14, 30), allow_nonfinite=True)  # 6 of the last 10, though 14 of all 30
     fp16 = StopRequest()
-    fp16.check(cpu, sums(0, 90), True)
+    fp16.check(cpu, **sums(0, 90), allow_nonfinite=True)
     with pytest.raises(UserError, match="most fp16 steps"):
-        fp16.check(cpu, sums(10, 100), True)  # diverged: caught within 10 steps, not after half an epoch
-    assert fp16.check(cpu, sums(2, 10), True) is False  # a new epoch restarts the sums
+        fp16.check(cpu, **sums(10, 100), allow_nonfinite=True)  # diverged: caught within 10 steps, not after half an epoch
+    assert fp16.check(cpu, **sums(2, 10), allow_nonfinite=True) is False  # a new epoch restarts the sums
 
 
 def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_end_with_their_process():
