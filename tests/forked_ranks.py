@@ -2,7 +2,7 @@
 the training, not the launcher (support.launch_forked). torchrun starts each rank as a fresh interpreter that
 imports torch and torch._dynamo (about 5 CPU-seconds a rank on a slow 2-core machine, more than a tiny run's
 training) and tears it down at the end (another second): a 2-rank tiny run took 20.6 CPU-seconds under
-torchrun, 6 forked here (tests/README.md, "Where a launch's seconds go").
+torchrun, 6 forked here (measured by tests/launch_cost.py).
 
 What a rank sees is what torchrun --standalone gives it: torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
 the run id, restart 0), its agent store (hosted here, as torchrun's agent hosts it, so that the ranks meet
