@@ -63,7 +63,8 @@ class RunFiles:
             write_text(self.metrics_path, "".join(self.rows))  # whole, atomically: never a partial last line
             if self.tensorboard:
                 for key, value in metrics.items():
-                    if isinstance(value, (int, float)):  # not rank_times' list, nor slow_rank's line
+                    # not rank_times' list, slow_rank's line, nor a mark (includes_start_up)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
                         self.tensorboard.add_scalar(key, value, metrics["epoch"])
                 self.tensorboard.flush()  # a preempted run keeps its curves too
         self._write(write_epoch, f"epoch {metrics['epoch']}'s metrics")
