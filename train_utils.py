@@ -25,9 +25,9 @@ from dataset_utils import CheckedData, load_checked_data, measure_data
 from machinery.checkpoints import (Found, check_format, check_room, check_same_model, find_checkpoint,
                                    is_best_epoch, load_initial_weights, save_checkpoint)
 from machinery.cli import run_cli
-from machinery.errors import (EXIT_STOPPED, UserError, WriteError, all_gather, call_and_agree,
-                              leave_on_user_error)
-from machinery.files import describe_position, write_on_main
+from machinery.errors import (EXIT_STOPPED, UserError, WriteError, agree_on_error, all_gather,
+                              call_and_agree, leave_on_user_error)
+from machinery.files import describe_position, try_write
 from machinery.launch import DistEnv, init_distributed, read_launcher, rendezvous
 from machinery.lock import lock_out_dir
 from machinery.output import log
@@ -327,8 +327,11 @@ class Checkpoint:
         # With a validation split (--val-size), an epoch's end with the best validation accuracy so far is
         # also best.pt.
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
-        write_on_main(self.env, lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
-                      what=what, out_dir=out_dir, lock=self.lock)
+        error = None
+        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them, whole then renamed
+            error = try_write(lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
+                              what=what, out_dir=out_dir, lock=self.lock)
+        agree_on_error(error)  # every rank learns whether it worked: if not, all leave together, in one line
 
 
 def note_resume_changes(saved: dict, cfg: RunConfig, progress: Progress) -> None:

@@ -116,21 +116,27 @@ def write_on_main(env, write, *, what: str, out_dir: str, lock=None,
     whether it failed, and all raise the same error and leave together: without this, the others would
     wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
     this run still owns out_dir."""
-    error = None
-    if env.is_main:
-        try:
-            if lock is not None:
-                lock.check()
-            write()
-        except UserError as e:
-            error = e
-        except (OSError, RuntimeError) as e:
-            cause = os_error_of(e)
-            # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
-            if cause is None:
-                raise
-            error = WriteError(describe_write_failure(cause, what, out_dir, then))
+    error = try_write(write, what=what, out_dir=out_dir, lock=lock, then=then) if env.is_main else None
     agree_on_error(error)
+
+
+def try_write(write, *, what: str, out_dir: str, lock=None, then: str = "run the same command to resume"):
+    """write(), which writes `what` in out_dir (unless `lock` says another run took it): None, or the
+    UserError that says why it failed (a WriteError naming what is intact and the way out). A failure that
+    is not a write's is a bug: raised, with its traceback."""
+    try:
+        if lock is not None:
+            lock.check()
+        write()
+    except UserError as e:
+        return e
+    except (OSError, RuntimeError) as e:
+        cause = os_error_of(e)
+        # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
+        if cause is None:
+            raise
+        return WriteError(describe_write_failure(cause, what, out_dir, then))
+    return None
 
 
 def now_iso() -> str:

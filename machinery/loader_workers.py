@@ -30,7 +30,8 @@ def die_with_parent(parent: int) -> None:
     The workers ignore the stop signals (the rank alone decides when to stop), and their parent is the
     forkserver, not the rank, so DataLoader's own check that its rank lives never fires: without this, a rank
     killed by SIGKILL (the OOM killer, Slurm after KillWait, kill -9) would leave its forkserver and workers
-    running, each holding its memory, for ever."""
+    running, each holding its memory, for ever. (Linux ties it to the thread that started the forkserver: the
+    rank's main thread, which makes the loaders' first iterator.)"""
     if not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -28,7 +28,6 @@ def describe_span(seconds: float) -> str:
             else f"{minutes} min" if minutes else f"{max(1, round(seconds))} s")
 
 
-
 def report_to_launcher(line: str) -> None:
     """Leave the line this rank ends with (a refusal, a failure, a stop) where torchrun looks for a failed
     rank's reason: the file TORCHELASTIC_ERROR_FILE names (one per rank; a job script may set one for the whole
