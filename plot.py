@@ -80,7 +80,7 @@ PHASE_COLOURS = {"data": "tab:orange", "compute": "tab:blue", "sync": "tab:red",
 def holds_start_up(row: dict) -> bool:
     """Whether an epoch's time holds a start-up: the first epoch a process trained (a new run's epoch 1, or a
     resumed run's first epoch), as train_ddp.py marks it; epoch 1 in records written before the mark."""
-    return row.get("includes_start_up", row["epoch"] == 1 and "includes_start_up" not in row)
+    return row.get("includes_start_up", row["epoch"] == 1)
 
 
 def plot_runs(run_dirs: list, path: str) -> dict:
