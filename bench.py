@@ -40,11 +40,11 @@ import config
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
-from machinery.cli import run_tool
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
 from machinery.output import log
 from machinery.timing import Clock
+from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.cpu_checks import cpu_checks, report_cpu_checks
 from tools.original_script import original_batches, original_steps
@@ -284,7 +284,7 @@ def main(args):
             raise UserError(f"--{name} must be at least {least}, got {getattr(args, name)}")
     if args.dataset != "synthetic":  # bench_data and the CPU checks make their own images
         raise UserError("bench.py times the step on synthetic images in memory: leave --dataset out")
-    env = utils.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
+    env = train_ddp.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
     torch.backends.cudnn.benchmark = True
     try:
         if args.cpu_checks:  # the recipe's loop on CPU, without DDP

@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from machinery.checkpoints import ANY, DATA, MODEL, NOTED, QUIET, RECIPE
-from machinery.errors import UserError, all_gather
-from machinery.launch import DistEnv, default_workers, host_name
+from machinery.errors import UserError
+from machinery.launch import DistEnv, default_workers
 from model import depth_arg, width_arg
 
 # The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1
@@ -275,8 +275,8 @@ class RunConfig:
 
 
 def make_config(args, env: DistEnv, found=None) -> RunConfig:
-    """The run's config from the flags (those of `found`, machinery.checkpoints.Found: the checkpoint's where
-    it rules, if given) and the world. A collective: the ranks count their hosts."""
+    """The run's config from the flags (those of `found`, train_utils.Found: the checkpoint's where it rules,
+    if given) and the world (`env`: its ranks and nodes)."""
     args = argparse.Namespace(**found.flags) if found is not None and found.flags else args
     clash = set(vars(args)) & ({f.name for f in fields(RunConfig)} | {"to_dict"})
     if clash:  # a flag named like a derived value would be shadowed by it
@@ -286,7 +286,7 @@ def make_config(args, env: DistEnv, found=None) -> RunConfig:
     per_rank_batch = -(-args.batch_size // env.world_size)
     accum = accumulation_steps(per_rank_batch, args.micro_batch)
     return RunConfig(
-        flags=dict(vars(args)), world_size=env.world_size, nodes=len(set(all_gather(host_name()))),
+        flags=dict(vars(args)), world_size=env.world_size, nodes=env.nodes,
         per_rank_batch=per_rank_batch, accumulation_steps=accum, micro_batch_size=per_rank_batch // accum,
         eval_batch=min(per_rank_batch, args.micro_batch or per_rank_batch),
         lr=scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling),

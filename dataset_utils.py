@@ -32,7 +32,7 @@ from machinery.data_checks import (channel_stats, check_same_classes, check_work
 from machinery.errors import UserError, call_and_agree
 from machinery.loader_workers import worker_context
 from machinery.signals import deaf_to_stop_signals, stop_signals_held
-from transforms import Augment, Mix, _signed, crop_flip, crop_flip_batch, crop_padding, mix64, pad_images
+from transforms import crop_flip, crop_flip_batch, crop_padding, mix64, pad_images, signed
 
 # What CIFAR-100 states of itself: its classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -427,7 +427,7 @@ class ImageDataset(Dataset):
     """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
     label) whose items the loader's workers read; a sample that does not read as one of the split's shape
     comes as a BadSample. With `augment`, items are keyed (epoch, index) and get crop_flip with
-    hash(seed, epoch, index); with `extra` (transforms.Augment), items carry that hash, and _collate applies
+    hash(seed, epoch, index); with `extra` (augment_ops.Augment), items carry that hash, and _collate applies
     `extra` to the batch: the same for any number of ranks or workers. `split`: "training" or "test"."""
 
     def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
@@ -457,9 +457,9 @@ class ImageDataset(Dataset):
             return image, label
         h = mix64(self.seed, epoch, idx)
         image = crop_flip(image, h, self.pad)
-        # transforms.Augment comes in the collate, on the batch
+        # augment_ops.Augment comes in the collate, on the batch
         if self.extra is not None and self.extra.active:
-            return image, label, _signed(h)
+            return image, label, signed(h)
         return image, label
 
 
@@ -477,7 +477,7 @@ def data_device(loader: str, device: torch.device, *splits):
 def _collate(shape, batch, extra=None):
     """(images, labels, unreadable): default_collate of the samples that read, empty tensors if none did (or a
     rank has nothing left in the last step), and the BadSamples in their slots. Items that carry their hash
-    (ImageDataset with `extra`) get `extra` (transforms.Augment) here, batched: the same bits as one by
+    (ImageDataset with `extra`) get `extra` (augment_ops.Augment) here, batched: the same bits as one by
     one."""
     unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if isinstance(b, BadSample)]
     good = [b for b in batch if not isinstance(b, BadSample)]
@@ -497,7 +497,7 @@ def build_loaders(data, cfg, env) -> tuple:
     for --val-size; else None) shards without padding or dropping: every image scored exactly once, in batches
     of cfg.eval_batch. With data.device, DeviceLoaders over ImageData held there; else DataLoaders whose
     workers read the samples, in AgreedLoaders that skip up to cfg.skip_bad_samples unreadable training
-    samples per epoch. The augmentation flags add transforms.Augment per sample and transforms.Mix per
+    samples per epoch. The augmentation flags add augment_ops.Augment per sample and augment_ops.Mix per
     micro-batch."""
     test = build_test_loader(data.test, cfg, env, device=data.device)
     val = None if data.val is None else build_test_loader(data.val, cfg, env, data.device, "validation")
@@ -506,10 +506,15 @@ def build_loaders(data, cfg, env) -> tuple:
     spec, seed = data.spec, cfg.seed
     sampler = EpochSampler(len(data.train), batch_size=cfg.batch_size, rank=env.rank,
                            world_size=env.world_size, accum_steps=cfg.accumulation_steps, seed=seed)
-    extra = Augment((spec.channels, spec.height, spec.width), auto_augment=cfg.auto_augment,
-                    random_erase=cfg.random_erase, fill=tuple(round(255 * m) for m in spec.mean))
-    mix = Mix(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, num_classes=spec.num_classes,
-              seed=seed, rank=env.rank, world_size=env.world_size)
+    extra = mix = None  # the modern recipe's ops, in machinery/augment_ops.py: loaded when their flags are on
+    if cfg.auto_augment or cfg.random_erase:
+        from machinery.augment_ops import Augment
+        extra = Augment((spec.channels, spec.height, spec.width), auto_augment=cfg.auto_augment,
+                        random_erase=cfg.random_erase, fill=tuple(round(255 * m) for m in spec.mean))
+    if cfg.mixup_alpha or cfg.cutmix_alpha:
+        from machinery.augment_ops import Mix
+        mix = Mix(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, num_classes=spec.num_classes,
+                  seed=seed, rank=env.rank, world_size=env.world_size)
     if data.device is not None:
         return (DeviceLoader(data.train, data.device, sampler=sampler, seed=seed, extra=extra, mix=mix),
                 test, val)
@@ -631,7 +636,7 @@ class DeviceLoader:
 
 def mix_step(loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
     """The training loader's (AgreedLoader's or DeviceLoader's) `step`-th batch of this pass through its
-    transforms.Mix: mixup/cutmix within each micro-batch (step_split's, unread samples left out), soft
+    augment_ops.Mix: mixup/cutmix within each micro-batch (step_split's, unread samples left out), soft
     targets."""
     sampler = loader.batch_sampler
     position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order

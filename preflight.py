@@ -34,9 +34,10 @@ import dataset_utils as du
 from machinery import cifar_archive
 from machinery.errors import RendezvousError, UserError, all_gather
 from machinery.files import check_writable
-from machinery.launch import host_name, init_distributed, read_dist_env, route_source
+from machinery.launch import host_name, read_dist_env, route_source
 from machinery.output import log
-from machinery.cli import run_tool
+from machinery.tool_exit import run_tool
+from train_ddp import init_distributed
 
 
 def get_args_parser():

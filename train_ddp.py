@@ -105,16 +105,15 @@ def build_training(cfg, env, data) -> Training:
                     ema=ema)
 
 
-def train_step(model, images, labels, *, split, training: Training, run) -> torch.Tensor:
+def train_step(model, images, labels, *, split, training: Training, cfg, step_log) -> torch.Tensor:
     """One optimizer step on this rank's share of a global batch: `split` (EpochSampler.step_split) is the
     step's samples over all ranks and this rank's micro-batch sizes; `labels`: classes, or soft targets
     (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and with
-    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. run.step_log times its
+    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. step_log times its
     phases."""
     normalize, optimizer, scaler, loss_fn = (training.normalize, training.optimizer, training.scaler,
                                              training.loss_fn)
-    (step_samples, micro_sizes), cfg, step_log = split, run.cfg, run.step_log
-    device, amp_dtype = normalize.scale.device, cfg.amp_dtype
+    (step_samples, micro_sizes), device, amp_dtype = split, normalize.scale.device, cfg.amp_dtype
     images = normalize(images.to(device, non_blocking=True))
     labels = labels.to(device, non_blocking=True)
     step_log.mark("data")  # since the previous step: the loader's next batch, its copy and normalisation
@@ -142,8 +141,7 @@ def train_step(model, images, labels, *, split, training: Training, run) -> torc
         buffer.copy_(kept)
     if cfg.clip_grad_norm:  # the all-reduced gradients' norm, the same on every rank; fp16: unscaled first
         scaler.unscale_(optimizer)
-        norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-        stats += utils.step_stats(grad_norm=norm, counted=run.env.is_main)  # counted once
+        stats += utils.step_stats(grad_norm=nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm))
     scaler.step(optimizer)  # with fp16, skipped when the gradients hold inf/NaN
     scaler.update()
     if training.ema is not None:  # the same update on every rank: the weights are the same after the step
@@ -152,21 +150,23 @@ def train_step(model, images, labels, *, split, training: Training, run) -> torc
     return stats
 
 
-def train_one_epoch(model, training: Training, run, *, epoch: int) -> bool:
-    """Train the rest of `epoch` from run.progress.position (run: utils.RunControl). True if the ranks agreed
-    to stop (a stop request), with a checkpoint saved; UserError if the loss went non-finite."""
+def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, step_log, stop, loss_check,
+                    checkpoint) -> bool:
+    """Train the rest of `epoch` from progress.position (utils.Progress: where training stands). Every
+    STOP_CHECK_EVERY steps the ranks agree on what would end the run: unreadable samples, a non-finite loss,
+    a stop request (stop: utils.StopRequest), which saves a checkpoint and returns True."""
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
-    cfg, progress = run.cfg, run.progress
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
     loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # resumed: rest
     # The epoch's sums (utils.EPOCH_SUMS). A resumed epoch's sums so far count once: on rank 0.
-    sums = torch.tensor(progress.sums if run.env.is_main else [0.0] * len(progress.sums), dtype=torch.float64,
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sums = torch.tensor(progress.sums if rank == 0 else [0.0] * len(progress.sums), dtype=torch.float64,
                         device=device)
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + steps left from the start
-    run.epoch_start = time.perf_counter() - progress.elapsed_s
-    run.step_log.start()
-    for images, labels in loader:
+    epoch_start = time.perf_counter() - progress.elapsed_s
+    step_log.start()
+    for i, (images, labels) in enumerate(loader):
         split = loader.step_split(progress.position)  # the last step may be short; unread samples: gaps
         done = progress.position + split[0]
         # The LR follows the samples seen: the step's start and end in epochs (epoch - 1 + fraction done),
@@ -176,18 +176,34 @@ def train_one_epoch(model, training: Training, run, *, epoch: int) -> bool:
                                       schedule=cfg.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sums += train_step(model, images, labels, split=split, training=training, run=run)
+        sums += train_step(model, images, labels, split=split, training=training, cfg=cfg, step_log=step_log)
+        if i == 0:  # DDP needs every parameter in every step's loss: a gap is named now, not a hang later
+            utils.check_parameters_used(model)
         progress.position, progress.step = done, progress.step + 1
-        run.step_log.update(epoch, progress.step, steps_per_epoch, done, sums, run.epoch_start)  # line if due
-        if run.checkpoint_or_stop_mid_epoch(sums, loader=loader,
-                                            allow_nonfinite=training.scaler.is_enabled()):
-            return True
-        run.step_log.end_step()
+        step_log.update(epoch, progress.step, steps_per_epoch, done, lambda: utils.mean_loss(sums), epoch_start)
+        checkpoint_due = cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0
+        if progress.step % utils.STOP_CHECK_EVERY == 0 or checkpoint_due:  # collectives: every rank comes
+            loader.check()  # unreadable samples: named and skipped, or the run ends; before any checkpoint
+            loss_check.check(sums)  # a NaN on any rank ends every rank, before it reaches a checkpoint
+            stopping = stop.check(device)  # a signal or the stop file on any rank stops them all here
+            if stopping or checkpoint_due:
+                progress.elapsed_s = time.perf_counter() - epoch_start
+                total = sums.clone()
+                if dist.is_initialized():
+                    dist.all_reduce(total)  # the epoch's sums so far, over all ranks, for the checkpoint
+                progress.sums = total.tolist()
+                checkpoint.save(progress)
+            if stopping:
+                stop.say_stopped(f"Stop requested ({stop.reason}) in epoch {epoch} after step {progress.step}: "
+                                 f"checkpoint saved in {cfg.out_dir}; exiting with status {stop.exit_status} "
+                                 f"to be resumed.")
+                return True
+        step_log.end_step()
     # The epoch's sums over all ranks: this waits for the slowest rank (the original's barrier): honest time.
     if dist.is_initialized():
         dist.all_reduce(sums)
-    run.step_log.end_epoch()
-    progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - run.epoch_start
+    step_log.end_epoch()
+    progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - epoch_start
     return False
 
 
@@ -264,13 +280,14 @@ def train(cfg, env, found, lock) -> int:
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
     run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
+    loss_check = utils.LossCheck(env.device, allow_nonfinite=training.scaler.is_enabled())  # fp16 skips steps
     with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
-        run = utils.RunControl(cfg, env, progress, stop, checkpoint, step_log)  # what steers the loop
         for epoch in progress.epochs_left(cfg.epochs):
-            if train_one_epoch(model, training, run, epoch=epoch):
+            if train_one_epoch(model, training, epoch=epoch, cfg=cfg, progress=progress, step_log=step_log,
+                               stop=stop, loss_check=loss_check, checkpoint=checkpoint):
                 return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
-            stopping = stop.check(env.device, **utils.loss_counts(progress.sums),  # agreed; NaN errs
-                                  allow_nonfinite=training.scaler.is_enabled())
+            loss_check.check(progress.sums)  # the epoch's last steps: a NaN on any rank ends every rank
+            stopping = stop.check(env.device)  # a stop request at the epoch's end, agreed by all ranks
             score = functools.partial(evaluate, eval_model, normalize=training.normalize,
                                       amp_dtype=cfg.amp_dtype, tta=cfg.tta)
             val = score(training.test_loader, expected_count=len(data.test))  # the original's "validation"
@@ -338,6 +355,7 @@ def init_distributed(device: str, timeout_s: float) -> utils.DistEnv:
             dist.init_process_group(backend="nccl" if env.cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=env.device if env.cuda else None, **store)
+        env.nodes = len(set(utils.all_gather(utils.host_name())))  # the ranks count their hosts
     return env
 
 

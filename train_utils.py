@@ -1,6 +1,6 @@
-"""What train_ddp.py uses, in the order it uses it: the setup's steps, the data checked, the LR schedule,
-gradient sync, the loss sums, run control (RunControl) and the agreed stops, BatchNorm statistics recomputed,
-where training stands (Progress), what a checkpoint holds (Checkpoint), and the original script's log lines.
+"""What train_ddp.py uses, in the order it uses it: the LR schedule, gradient sync, the loss sums and their
+check (LossCheck), the unused-parameter check, where training stands (Progress), the checkpoint a run
+continues (find_checkpoint) and what a checkpoint holds (Checkpoint), and the original script's log lines.
 The flags, their checks and the config computed once are config.py's.
 
 The machinery behind these lives in machinery/, a module per concern (its __init__ lists them). A reader of
@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -22,13 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import RunConfig
 from dataset_utils import CheckedData, load_checked_data, measure_data
-from machinery.checkpoints import (Found, check_format, check_room, check_same_model, find_checkpoint,
-                                   is_best_epoch, load_initial_weights, save_checkpoint)
+from machinery.checkpoints import (check_finished, check_format, check_room, check_same_device, check_same_model,
+                                   checkpoint_flags, describe_model, is_best_epoch, load_latest_checkpoint,
+                                   save_checkpoint)
 from machinery.cli import run_cli
-from machinery.errors import (EXIT_STOPPED, UserError, WriteError, agree_on_error, all_gather,
+from machinery.errors import (EXIT_STOPPED, UserError, WriteError, agree_on_error, all_gather, all_reduce_max,
                               call_and_agree, leave_on_user_error)
 from machinery.files import describe_position, try_write
-from machinery.launch import DistEnv, init_distributed, read_launcher, rendezvous
+from machinery.launch import DistEnv, host_name, read_launcher, rendezvous
 from machinery.lock import lock_out_dir
 from machinery.output import log
 from machinery.records import RunFiles
@@ -36,11 +36,11 @@ from machinery.signals import STOP_CHECK_EVERY, StopRequest
 from machinery.timing import StepLog
 
 __all__ = [  # what the recipe calls, from here or from the machinery
-    "run_cli", "read_launcher", "rendezvous", "init_distributed", "lock_out_dir", "find_checkpoint",
+    "run_cli", "read_launcher", "rendezvous", "all_gather", "host_name", "lock_out_dir", "find_checkpoint",
     "load_checked_data", "measure_data", "CheckedData",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch",
-    "lr_factor", "sync_gradients", "step_stats", "loss_counts", "RunControl", "recompute_bn_stats",
-    "NO_FORWARD_BUFFER_SYNC",
+    "lr_factor", "sync_gradients", "step_stats", "mean_loss", "LossCheck", "check_parameters_used",
+    "NO_FORWARD_BUFFER_SYNC", "STOP_CHECK_EVERY",
     "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
 
@@ -86,17 +86,17 @@ EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_
               "correct")  # and the samples whose top prediction is their label (with mixup: its larger share)
 
 
-def loss_counts(sums) -> dict:
-    """The epoch's samples so far and those whose loss was finite, from its sums (EPOCH_SUMS, by name): what
-    StopRequest.check needs to tell a diverging loss."""
-    return {name: sums[EPOCH_SUMS.index(name)] for name in ("finite_samples", "samples")}
+def mean_loss(sums) -> float:
+    """The epoch's mean training loss so far, from its sums (EPOCH_SUMS, by name): a read that waits for the
+    GPU, so only for a progress line."""
+    return float(sums[EPOCH_SUMS.index("loss_sum")]) / max(float(sums[EPOCH_SUMS.index("finite_samples")]), 1)
 
 
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
-               grad_norm: torch.Tensor | None = None, counted: bool = True):
+               grad_norm: torch.Tensor | None = None):
     """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's, from its summed loss over n samples and the
-    number it predicted `correct`ly, or a step's clipped gradient norm, `counted` on one rank alone (every
-    rank has the same norm, and the sums are all-reduced). Device tensors only: nothing waits for the GPU."""
+    number it predicted `correct`ly, or a step's clipped gradient norm, counted on rank 0 alone (every rank
+    has the same norm, and the sums are all-reduced). Device tensors only: nothing waits for the GPU."""
     value = loss_sum if grad_norm is None else grad_norm
     finite = torch.isfinite(value).double()
     kept = torch.where(finite > 0, value.double(), 0.0)
@@ -104,84 +104,62 @@ def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: tor
     if grad_norm is None:
         hits = (correct if correct is not None else finite * 0).double().reshape(1)
         return torch.cat([torch.stack([kept, finite * n, finite * 0 + n]), zero, hits])
+    counted = not dist.is_initialized() or dist.get_rank() == 0
     return torch.cat([zero, torch.stack([kept, finite, finite * 0 + 1]), zero[:1]]) * float(counted)
 
 
-@dataclass
-class RunControl:
-    """What steers the loop besides the model: the config, this process's place (DistEnv), where training
-    stands (Progress), the stop request, the checkpoint and the step log (progress lines, the time split).
-    They travel together."""
-    cfg: RunConfig
-    env: DistEnv
-    progress: Progress
-    stop: StopRequest
-    checkpoint: Checkpoint
-    step_log: StepLog
-    # perf_counter() at the start of the epoch, less the time a resumed epoch had taken
-    epoch_start: float = 0.0
+class LossCheck:
+    """Whether the training loss went NaN or infinite on any rank, from the epoch's sums (EPOCH_SUMS). Without
+    a grad scaler any such sample stops the run; with fp16's (`allow_nonfinite`), which skips the odd
+    overflowing step, only divergence does: most samples non-finite since the previous check."""
 
-    def checkpoint_or_stop_mid_epoch(self, sums: torch.Tensor, *, loader, allow_nonfinite: bool) -> bool:
-        """Every STOP_CHECK_EVERY steps the ranks agree whether to stop (a signal, the stop file) and check
-        the loss and the samples the loader could not read (loader.check: skipped, or UserError); a stop, or
-        --checkpoint-every, saves a checkpoint mid-epoch. True if the ranks stop now."""
-        cfg, progress, stop = self.cfg, self.progress, self.stop
-        checkpoint_due = cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0
-        if progress.step % STOP_CHECK_EVERY and not checkpoint_due:
-            return False
-        loader.check()  # before any checkpoint: what it trained without is agreed on, named and counted
-        stopping = stop.check(sums.device, **loss_counts(sums), allow_nonfinite=allow_nonfinite)  # all agree
-        if stopping or checkpoint_due:
-            progress.elapsed_s = time.perf_counter() - self.epoch_start
-            total = sums.clone()
-            if dist.is_initialized():
-                dist.all_reduce(total)  # the epoch's sums so far, over all ranks, for the checkpoint
-            progress.sums = total.tolist()
-            self.checkpoint.save(progress)
-        if stopping:
-            stop.say_stopped(f"Stop requested ({stop.reason}) in epoch {progress.epoch + 1} after step "
-                             f"{progress.step}: checkpoint saved in {cfg.out_dir}; exiting with status "
-                             f"{EXIT_STOPPED} to be resumed.")
-        return stopping
+    def __init__(self, device: torch.device, *, allow_nonfinite: bool):
+        self.device, self.allow_nonfinite, self.previous = device, allow_nonfinite, None
+        self.slots = [EPOCH_SUMS.index("finite_samples"), EPOCH_SUMS.index("samples")]
+
+    def check(self, sums) -> None:
+        """A collective (one small all-reduce): every rank raises UserError if the loss went non-finite on
+        any. `sums`: the epoch's so far, a device tensor or a list."""
+        counts = torch.as_tensor(sums, dtype=torch.float64).to(self.device)[self.slots]  # finite, all
+        if self.allow_nonfinite:
+            previous = self.previous if self.previous is not None else torch.zeros_like(counts)
+            previous = torch.where(counts[1] >= previous[1], previous, 0.0)  # a new epoch restarted the sums
+            self.previous = counts.clone()
+            finite, count = counts - previous
+            diverged = finite < 0.5 * count
+        else:
+            diverged = counts[0] < counts[1]
+        if not all_reduce_max(diverged.double()).item():
+            return
+        if self.allow_nonfinite:
+            raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: "
+                            "training diverged, and stopped before saving; lower --base-lr, raise "
+                            "--warmup-epochs or use --amp bf16, then run again to resume from the last "
+                            "checkpoint")
+        raise UserError("the training loss became NaN or infinite, so training stopped before saving "
+                        "anything from it (the last checkpoint is intact): lower --base-lr or raise "
+                        "--warmup-epochs")
 
 
-@torch.no_grad()
-def recompute_bn_stats(model, loader, *, normalize) -> None:
-    """Set every BatchNorm layer's running mean and variance to its input's over all of `loader`'s samples on
-    all ranks, each sample weighted alike (sums of x and x^2 all-reduced, not per-rank or per-batch means), so
-    every rank ends with the same statistics. For weights that never trained with their own statistics: an
-    average of weights (SWA), or a fine-tune's. Forwards in train mode, as training does, on the bare model
-    (not DDP)."""
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    if not layers:
+def check_parameters_used(model) -> None:
+    """After a step's backward under DDP (without find_unused_parameters): raise UserError on every rank,
+    naming them, if parameters got no gradient (an auxiliary head, a branch not taken): DDP would otherwise
+    fail at the next forward ("Expected to have finished reduction in the prior iteration"), in a traceback
+    per rank. A collective."""
+    ddp = getattr(model, "_orig_mod", model)
+    if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
         return
-    device = normalize.scale.device
-    # Per channel of every layer, side by side in one tensor (one all-reduce): n, x, x^2
-    total = torch.zeros(3, sum(m.num_features for m in layers), dtype=torch.float64, device=device)
-    sums = dict(zip(layers, total.split([m.num_features for m in layers], dim=1)))  # views into it
-
-    def add_input(module, inputs):
-        x = inputs[0].detach().double().transpose(0, 1).flatten(1)  # channels x (samples and positions)
-        sums[module] += torch.stack([torch.full_like(x[:, 0], x.shape[1]), x.sum(1), (x * x).sum(1)])
-
-    hooks = [m.register_forward_pre_hook(add_input) for m in layers]
-    was_training = model.training
-    model.train()
-    try:
-        for images, _ in loader:
-            if len(images):  # a rank may have no samples in a step
-                model(normalize(images.to(device, non_blocking=True)))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    for m, (n, x, xx) in sums.items():
-        mean = x / n.clamp_min(1)
-        var = (xx / n.clamp_min(1) - mean * mean).clamp_min(0) * n / (n - 1).clamp_min(1)  # unbiased
-        m.running_mean.copy_(mean)
-        m.running_var.copy_(var)
+    mine = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
+    unused = list(dict.fromkeys(name for names in all_gather(mine) for name in names))  # every rank's, in order
+    if unused:
+        params = dict(ddp.module.named_parameters())
+        values = sum(params[name].numel() for name in unused)
+        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
+        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got "
+                        f"no gradient: DDP needs every parameter in the loss of every step; use them in the "
+                        f"loss or remove them from the model, or pass --find-unused-parameters (DDP then "
+                        f"searches the autograd graph after every forward for them, which costs time in "
+                        f"every step)")
 
 
 # ------------------------------------------------------------------------- where training stands
@@ -245,6 +223,42 @@ class Progress:
 
 # ------------------------------------------------------------------------- what a checkpoint holds
 
+@dataclass
+class Found:
+    """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
+    ckpt: dict | None = None
+    path: str | None = None
+    # the flags to run with: as given, but for those the checkpoint rules
+    flags: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)  # what this run changes, for the start of the log
+    finished: str | None = None  # a finished run rerun with the same command: the line that says so
+    kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
+
+    def describe_model(self) -> str:
+        return describe_model(self.ckpt["model_config"])
+
+
+def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
+    """The checkpoint this run continues: the newest in --out-dir that loads (torch.load, weights_only), and
+    the flags to continue it with. Every rank raises the UserError that says why it cannot: a checkpoint of
+    an older format, a flag that `rules` (config.RESUME_RULES) refuses to change, another device type, or a
+    finished run asked to change. (Its data and model are checked once built: load_checked_data and
+    Checkpoint.restore.)"""
+    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    ckpt, path = loaded or (None, None)
+    if args.evaluate and ckpt is None:
+        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+    if ckpt is not None:
+        check_format(ckpt, path)
+    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt, rules)
+    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
+    finished = (None if ckpt is None or args.evaluate
+                else call_and_agree(check_finished, ckpt, path, flags, notes))
+    kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
+    return Found(ckpt, path, flags, notes, finished, kept)
+
+
+
 class Checkpoint:
     """What a checkpoint holds, registered once; saving, restoring, sizing and the resume checks go over it.
 
@@ -276,6 +290,7 @@ class Checkpoint:
         from --init-from's weights if given (the model's only: the rest starts afresh)."""
         if found.ckpt is None:
             if self.cfg.init_from and not self.cfg.evaluate:
+                from machinery.init_weights import load_initial_weights
                 log(call_and_agree(load_initial_weights, self.required["model"], self.cfg.init_from))
             return Progress()
         ckpt, cfg, env = found.ckpt, self.cfg, self.env

@@ -5,16 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
-from machinery.errors import UserError, WriteError, call_and_agree
+from machinery.errors import UserError, WriteError
 from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
-from machinery.launch import DistEnv
 from machinery.output import log
 
 # What a resume does with a flag: the rules of the recipe's table (config.py: RESUME_RULES), which says for
@@ -144,40 +141,6 @@ def describe_shape(shape: dict) -> str:
     return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
 
 
-@dataclass
-class Found:
-    """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
-    ckpt: dict | None = None
-    path: str | None = None
-    # the flags to run with: as given, but for those the checkpoint rules
-    flags: dict = field(default_factory=dict)
-    notes: list = field(default_factory=list)  # what this run changes, for the start of the log
-    finished: str | None = None  # a finished run rerun with the same command: the line that says so
-    kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
-
-    def describe_model(self) -> str:
-        return describe_model(self.ckpt["model_config"])
-
-
-def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
-    """The newest usable checkpoint in --out-dir, and the flags to continue it with (checkpoint_flags, by
-    `rules`: what a resume does with each flag).
-    Raises UserError on every rank if this run cannot continue it (the data and the model are checked
-    once loaded: check_same_data, check_same_model)."""
-    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
-    ckpt, path = loaded or (None, None)
-    if args.evaluate and ckpt is None:
-        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
-    if ckpt is not None:
-        check_format(ckpt, path)
-    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt, rules)
-    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
-    finished = (None if ckpt is None or args.evaluate
-                else call_and_agree(check_finished, ckpt, path, flags, notes))
-    kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
-    return Found(ckpt, path, flags, notes, finished, kept)
-
-
 def read_summary(out_dir: str) -> dict:
     """The out-dir's summary.json, or {} if there is none (or it does not load)."""
     try:
@@ -213,7 +176,7 @@ def check_finished(ckpt, path: str, flags: dict, notes: list) -> str | None:
     raise UserError(f"{holds}, and this command changes it ({'; '.join(notes)}) but trains nothing: {ways}")
 
 
-def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
+def check_same_data(found, shape: dict, fingerprints: dict) -> None:
     """Raise UserError unless the data just loaded are those the checkpoint trained on: first their shape
     (channels, height, width, and the classes when known), then the samples themselves (same flags,
     other files)."""
@@ -235,7 +198,7 @@ def check_same_data(found: Found, shape: dict, fingerprints: dict) -> None:
                             f"--data-dir at the same data, or use another --out-dir for a new run")
 
 
-def check_same_model(found: Found, model_config: dict) -> None:
+def check_same_model(found, model_config: dict) -> None:
     """Raise UserError unless this run builds the model the checkpoint holds (its model_config)."""
     if found.ckpt is not None and found.ckpt["model_config"] != model_config:
         raise UserError(f"{found.path} holds {found.describe_model()}, but this run builds "
@@ -321,57 +284,3 @@ BEST = "best.pt"  # the checkpoint of the best validation accuracy so far (--val
 def is_best_epoch(history: list) -> bool:
     """Whether the last epoch of `history` has the best validation accuracy so far (the first of equals)."""
     return bool(history) and all(history[-1]["val_acc"] > m["val_acc"] for m in history[:-1])
-
-
-def load_initial_weights(model: torch.nn.Module, path: str) -> str:
-    """--init-from: load `path`'s weights into `model` (on every rank) and return the line that says what
-    was loaded. `path`: this project's checkpoint (its weight EMA if it has one, else its model) or a
-    state_dict (keys prefixed by DDP's "module." or torch.compile's "_orig_mod." are taken as bare). A
-    classifier head (the model's last nn.Linear) of another shape, or absent, keeps its fresh initialisation,
-    as fine-tuning on another number of classes needs; any other missing, extra or misshapen tensor is
-    refused, naming it."""
-    try:
-        # data, never code: as every checkpoint here
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"--init-from {path}: no such file") from None
-    except Exception as e:  # noqa: BLE001 (torch raises many kinds for a file that is not a checkpoint)
-        raise UserError(f"--init-from {path} does not load as a checkpoint or a state_dict "
-                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    what = "the state_dict"
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        if state.get("model_ema"):  # torch's AveragedModel: the model under "module.", and its count
-            state, what = {k: v for k, v in state["model_ema"].items() if k != "n_averaged"}, "the weight EMA"
-        else:
-            state, what = state["model"], "the model"
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"--init-from {path} holds neither a checkpoint of this project nor a state_dict "
-                        f"(a dict of tensors)")
-    # DDP's, compile's prefixes
-    state = {re.sub(r"^((module|_orig_mod)\.)+", "", k): v for k, v in state.items()}
-    own = model.state_dict()
-    heads = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    head = ({f"{heads[-1]}.{k}" for k, _ in model.get_submodule(heads[-1]).named_parameters()}
-            if heads else set())
-    for key in sorted(set(state) - set(own)):
-        raise UserError(f"--init-from {path}: its tensor {key} has no place in this model (the model's "
-                        f"layers differ: build the model the weights were trained as)")
-    fresh = {k for k in own if k not in state or state[k].shape != own[k].shape}
-    for key in sorted(fresh - head, key=lambda k: (k not in state, k)):  # a misshapen layer says most: first
-        got = (f"is {tuple(state[key].shape)}, the model's {tuple(own[key].shape)}" if key in state
-               else "is missing")
-        raise UserError(f"--init-from {path}: layer {key} {got}: the weights fit another model; build the "
-                        f"model they were trained as (only a classifier head may differ)")
-    with torch.no_grad():
-        for key, tensor in own.items():
-            if key not in fresh:
-                tensor.copy_(state[key])
-    line = f"Initialised from {what} in {path}"
-    if fresh:
-        weight = f"{heads[-1]}.weight"
-        before = f"{state[weight].shape[0]} classes" if weight in state else "none"
-        line += (f"; its classifier head {heads[-1]} ({before}) is re-initialised for this model's "
-                 f"{own[weight].shape[0]} classes")
-    return line + " (a new run: fresh optimizer and schedule)"
-
-

@@ -11,10 +11,9 @@ import textwrap
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from machinery.errors import UserError, describe_comm_failure
+from machinery.errors import describe_comm_failure
 from machinery.launch import read_dist_env
-from machinery.output import is_main_process, log, report_to_launcher
-from machinery.signals import catch_stop_signals
+from machinery.output import is_main_process, report_to_launcher
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
@@ -39,21 +38,6 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
         report_to_launcher(line)
         return 1
-
-
-def run_tool(main, parser, recipes: dict | None = None) -> int:
-    """The tools' entry point (bench.py, preflight.py): SIGTERM and Ctrl-C end them at once in one line
-    (catch_stop_signals), and a UserError is one `error:` line from rank 0 and exit status 2. With
-    `recipes`, --recipe NAME's preset sits under the flags given, as in training (parse_flags). Returns
-    main(args)'s status (None: 0)."""
-    catch_stop_signals()
-    try:
-        args = parser.parse_args() if recipes is None else parse_flags(parser, recipes, sys.argv[1:])[0]
-        return record(main)(args) or 0
-    except UserError as e:
-        log(f"error: {e}", file=sys.stderr)
-        report_to_launcher(f"error: {e}")
-        return 2
 
 
 def parse_flags(parser, recipes: dict, argv) -> tuple:

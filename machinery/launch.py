@@ -23,6 +23,7 @@ class DistEnv:
     world_size: int = 1
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")
+    nodes: int = 1  # the hosts the ranks run on: counted once the process group exists
 
     @property
     def is_main(self) -> bool:
@@ -104,19 +105,6 @@ def rendezvous(env: DistEnv, timeout_s: float):
             raise
         raise RendezvousError(why) from None
     note_host_in_store(env.rank, host_name())
-
-
-def init_distributed(device: str, timeout_s: float) -> DistEnv:
-    """For the tools (bench.py, preflight.py) and test scripts: what train_ddp.py's own init_distributed does,
-    in one call. Returns who this is."""
-    env = read_launcher(device)
-    if "RANK" in os.environ:
-        if env.cuda:
-            torch.cuda.set_device(env.device)
-        with rendezvous(env, timeout_s) as store:
-            dist.init_process_group("nccl" if env.cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                                    device_id=env.device if env.cuda else None, **store)
-    return env
 
 
 def gather_ranks(env: DistEnv) -> list:

@@ -1,21 +1,18 @@
 """What each training step leaves behind (StepLog): rank 0's progress lines, where each rank's time goes,
 the ranks' figures side by side at each epoch's end and the one line naming a rank that holds the others
-back (find_slow_rank), the check that DDP saw every parameter, and --profile's traces (Profiler)."""
+back (find_slow_rank), and --profile's traces (machinery/profiler.py)."""
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
-import weakref
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from machinery.errors import UserError, all_gather, call_and_agree
+from machinery.errors import all_gather
 from machinery.launch import host_name
-from machinery.output import describe_span, is_main_process, log
+from machinery.output import describe_span, is_main_process
 
 # The phases a training step's time is split into, in the order a step passes them:
 PHASES = {
@@ -63,8 +60,8 @@ class StepLog:
     on CPU a mark reads perf_counter; on CUDA it records an event in the stream, and the events are read at
     the epoch's end (no device synchronisation per step), so the split is of the GPU's time, and a GPU that
     idles for want of data shows it as data. watch_ddp(ddp_model) times DDP's gradient all-reduce (it
-    overlaps backward: what follows its last bucket's launch is sync) and checks, after an epoch's first
-    step, that every parameter got a gradient. `profile_dir`: --profile's traces (Profiler)."""
+    overlaps backward: what follows its last bucket's launch is sync). `profile_dir`: --profile's traces
+    (machinery/profiler.py)."""
 
     def __init__(self, every: int, device: torch.device, *, timed: bool = True,
                  profile_dir: str | None = None, epochs: int = 0):
@@ -72,9 +69,12 @@ class StepLog:
         self.device, self.timed, self.cuda = device, timed, device.type == "cuda"
         self.clock = Clock(device)
         self.now = self.clock.mark  # a mark in time, read at the epoch's end
-        self.marks, self.steps, self.last_bucket, self.ddp = [], 0, None, None
+        self.marks, self.steps, self.last_bucket = [], 0, None
         self.epochs_finished = 0  # in this process: its first epoch carries the start-up
-        self.profiler = Profiler(profile_dir, self.cuda) if profile_dir else None
+        self.profiler = None
+        if profile_dir:
+            from machinery.profiler import Profiler
+            self.profiler = Profiler(profile_dir, self.cuda)
 
     def start(self) -> None:
         """The epoch's training starts (or resumes) now."""
@@ -96,11 +96,9 @@ class StepLog:
             self.mark("compute")
         self.last_bucket = None
 
-    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
-        """After a step: the progress line if one is due, and the first step's parameter check."""
-        self.progress.update(epoch, step, steps, images, sums, t0)
-        if self.steps == 0 and self.ddp is not None:
-            check_parameters_used(self.ddp())
+    def update(self, epoch: int, step: int, steps: int, images: float, loss, t0: float) -> None:
+        """After a step: the progress line if one is due (`loss`: a function that reads the loss)."""
+        self.progress.update(epoch, step, steps, images, loss, t0)
         self.mark("other")
 
     def end_step(self) -> None:
@@ -123,10 +121,6 @@ class StepLog:
         def timed_allreduce(process_group, bucket):
             self.last_bucket = self.now()
             return allreduce_hook(process_group, bucket)
-        # A weak reference: DDP holds this (through the hook), and a cycle would keep DDP alive until the
-        # process group is destroyed, which aborts the process at exit ("terminate called without an
-        # active exception").
-        self.ddp = weakref.ref(ddp_model)
         if self.timed:
             ddp_model.register_comm_hook(None, timed_allreduce)
 
@@ -207,11 +201,10 @@ class ProgressLines:
                 line += f" | run ETA {describe_span(run_s)}"
         print("\r" + line if self.tty else line, end="" if self.tty else "\n", flush=True)
 
-    def update(self, epoch: int, step: int, steps: int, images: float, sums: torch.Tensor, t0: float) -> None:
-        """Show the line if one is due: it reads the loss, a wait for the GPU, so not every step."""
+    def update(self, epoch: int, step: int, steps: int, images: float, loss, t0: float) -> None:
+        """Show the line if one is due: it reads the loss (loss()), a wait for the GPU, so not every step."""
         if self.due(step):
-            self.show(epoch, step, steps, images, sums[0].item() / max(sums[1].item(), 1),
-                      time.perf_counter() - t0)
+            self.show(epoch, step, steps, images, loss(), time.perf_counter() - t0)
         if self.base is None and self.is_main:  # after the line: its print is start-up too
             self.base = (step, time.perf_counter(), images)
 
@@ -219,28 +212,6 @@ class ProgressLines:
         self.trained_until = time.perf_counter()
         if self.tty:
             print("\r" + " " * 100 + "\r", end="", flush=True)
-
-
-def check_parameters_used(model) -> None:
-    """After a step's backward under DDP (without find_unused_parameters): raise UserError on every rank,
-    naming them, if parameters got no gradient (an auxiliary head, a branch not taken): DDP would otherwise
-    fail at the next forward ("Expected to have finished reduction in the prior iteration"), in a traceback
-    per rank. A collective."""
-    ddp = getattr(model, "_orig_mod", model)
-    if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
-        return
-    mine = [name for name, p in ddp.module.named_parameters() if p.requires_grad and p.grad is None]
-    # Every rank's, in order.
-    unused = list(dict.fromkeys(name for names in all_gather(mine) for name in names))
-    if unused:
-        params = dict(ddp.module.named_parameters())
-        values = sum(params[name].numel() for name in unused)
-        shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got "
-                        f"no gradient: DDP needs every parameter in the loss of every step; use them in the "
-                        f"loss or remove them from the model, or pass --find-unused-parameters (DDP then "
-                        f"searches the autograd graph after every forward for them, which costs time in "
-                        f"every step)")
 
 
 def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD,
@@ -262,47 +233,3 @@ def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD,
     cause = max(excess, key=excess.get)
     return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the other ranks' "
             f"median, {r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")
-
-
-class Profiler:
-    """--profile: torch.profiler over ACTIVE steps after the first SKIP of an epoch (its warm-up: the
-    loaders start, cuDNN picks its kernels), once per run, on every rank. Rank r writes its trace to
-    `folder`/rank{r}.json (ui.perfetto.dev and chrome://tracing open it); rank 0 logs a table of the top
-    operators. Training goes on unchanged; the profiled steps run slower, and so does their epoch."""
-    SKIP, ACTIVE = 3, 5
-
-    def __init__(self, folder: str, cuda: bool):
-        (self.folder, self.cuda, self.profile, self.first, self.last,
-         self.done) = folder, cuda, None, 0, 0, False
-
-    def after_step(self, step: int) -> None:
-        self.last = step
-        if step == self.SKIP and not self.done and self.profile is None:
-            os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's back end: no ERROR lines on a CPU
-            activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                                  if self.cuda else [])
-            self.profile, self.first = torch.profiler.profile(activities=activities), step + 1
-            self.profile.start()
-        elif step == self.SKIP + self.ACTIVE:
-            self.finish()
-
-    def finish(self) -> None:
-        """Stop the profiler if it runs, and write the traces (every rank) and the table (rank 0)."""
-        if self.profile is None:
-            return
-        profile, self.profile, self.done = self.profile, None, True
-        profile.stop()
-        rank = int(os.environ.get("RANK", 0))
-        path = os.path.join(self.folder, f"rank{rank}.json")
-
-        def write_trace():
-            os.makedirs(self.folder, exist_ok=True)
-            profile.export_chrome_trace(path)
-        call_and_agree(write_trace)  # every rank writes its own; a failed write stops them all in one line
-        steps = f"{self.first}-{self.last}" if self.last > self.first else f"{self.first}"
-        log(f"Profile of steps {steps} of this run's first epoch (counted from where it started or resumed) "
-            f"on every rank: {self.folder}/rank<r>.json (open in ui.perfetto.dev or chrome://tracing). "
-            f"Rank 0's top operators by their own time:")
-        if rank == 0:  # the table takes a while to build: only where it is shown
-            sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-            log(profile.key_averages().table(sort_by=sort, row_limit=12))

@@ -12,7 +12,6 @@ import torch
 import train_ddp
 import train_utils as utils
 from machinery.errors import UserError
-from machinery.launch import read_dist_env
 from machinery.timing import Clock
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
@@ -64,6 +63,8 @@ class TrainSteps:
         self.model, self.training, self.cfg = model, training, cfg
         self.per_epoch = training.train_loader.batch_sampler.num_samples // cfg.batch_size
         self.stop = stop or utils.StopRequest()  # outside a `with`, it installs no signal handlers
+        self.loss_check = utils.LossCheck(training.normalize.scale.device,
+                                          allow_nonfinite=training.scaler.is_enabled())
         # The recipe's: no progress lines (0), each step's phases timed, as in training.
         self.step_log = step_log or utils.StepLog(0, training.normalize.scale.device)
         self.steps = self.epoch = 0
@@ -72,8 +73,9 @@ class TrainSteps:
         while n > 0:
             k, self.epoch = min(n, self.per_epoch), self.epoch + 1
             progress = utils.Progress(position=(self.per_epoch - k) * self.cfg.batch_size, step=self.steps)
-            run = utils.RunControl(self.cfg, read_dist_env(), progress, self.stop, self, self.step_log)
-            if train_ddp.train_one_epoch(self.model, self.training, run, epoch=self.epoch):
+            if train_ddp.train_one_epoch(self.model, self.training, epoch=self.epoch, cfg=self.cfg,
+                                         progress=progress, step_log=self.step_log, stop=self.stop,
+                                         loss_check=self.loss_check, checkpoint=self):
                 raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
             self.steps, n = self.steps + k, n - k
 

@@ -1,4 +1,4 @@
-"""train_utils.recompute_bn_stats under DDP: every rank's shard, each sample weighted alike, the same on every
+"""machinery.bn_stats.recompute_bn_stats under DDP: every rank's shard, each sample weighted alike, the same on every
 rank."""
 import os
 import sys

@@ -1,4 +1,4 @@
-"""Launched by torchrun: train_utils.recompute_bn_stats on a conv -> BatchNorm model, each rank scoring its
+"""Launched by torchrun: machinery.bn_stats.recompute_bn_stats on a conv -> BatchNorm model, each rank scoring its
 shard (r, r + W, ...) of N images in batches of B, so the shards and the last batches are uneven.
 
 Usage: bn_stats.py OUT_DIR N B
@@ -10,8 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
-import train_utils  # noqa: E402
-from machinery.launch import init_distributed  # noqa: E402
+from machinery.bn_stats import recompute_bn_stats  # noqa: E402
+from train_ddp import init_distributed  # noqa: E402
 
 
 def images(n: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     shard = images(n)[env.rank::env.world_size]
     loader = [(x, None) for x in shard.split(batch)]
     net = model()
-    train_utils.recompute_bn_stats(net, loader, normalize=du.Normalize(*NORMALIZE, torch.device("cpu")))
+    recompute_bn_stats(net, loader, normalize=du.Normalize(*NORMALIZE, torch.device("cpu")))
     bn = net[1]
     torch.save({"mean": bn.running_mean, "var": bn.running_var}, os.path.join(out, f"rank{env.rank}.pt"))
     torch.distributed.destroy_process_group()

@@ -17,7 +17,7 @@ import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 import train_ddp  # noqa: E402
 import train_utils  # noqa: E402
-from machinery.launch import init_distributed  # noqa: E402
+from train_ddp import init_distributed  # noqa: E402
 
 def step_and_save():
     """The step; its DDP model lives only in here, so that it is gone before the process group is."""
@@ -44,9 +44,10 @@ def step_and_save():
     step_samples, micro_sizes = loader.batch_sampler.step_split(0)
     assert micro_sizes == [len(labels)]
     training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
-    run = SimpleNamespace(cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
-                          step_log=train_utils.StepLog(0, normalize.scale.device))
-    train_ddp.train_step(model, images, labels, split=(step_samples, micro_sizes), training=training, run=run)
+    cfg = SimpleNamespace(amp_dtype=None, clip_grad_norm=None)
+    step_log = train_utils.StepLog(0, normalize.scale.device)
+    train_ddp.train_step(model, images, labels, split=(step_samples, micro_sizes), training=training, cfg=cfg,
+                         step_log=step_log)
     if env.is_main:
         torch.save(getattr(model, "module", model).state_dict(), out)
 

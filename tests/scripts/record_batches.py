@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 from machinery.errors import all_gather  # noqa: E402
-from machinery.launch import init_distributed  # noqa: E402
+from train_ddp import init_distributed  # noqa: E402
 from torchvision.datasets import ImageFolder  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 

@@ -55,9 +55,10 @@ def step_and_save():
         assert len(labels) == batch // env.world_size, "one step of one global batch"
         sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
         training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
-        run = SimpleNamespace(cfg=SimpleNamespace(amp_dtype=None, clip_grad_norm=None),
-                              step_log=train_utils.StepLog(0, normalize.scale.device))
-        train_ddp.train_step(model, images, labels, split=(batch, [len(labels)]), training=training, run=run)
+        cfg = SimpleNamespace(amp_dtype=None, clip_grad_norm=None)
+        step_log = train_utils.StepLog(0, normalize.scale.device)
+        train_ddp.train_step(model, images, labels, split=(batch, [len(labels)]), training=training, cfg=cfg,
+                             step_log=step_log)
         break
     if env.is_main:
         torch.save({k: v.cpu() for k, v in getattr(model, "module", model).state_dict().items()}, out)

@@ -19,11 +19,11 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, Found, check_format,
-                                   load_checkpoint, load_latest_checkpoint, save_checkpoint, state_bytes)
+from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, check_format, load_checkpoint,
+                                   load_latest_checkpoint, save_checkpoint, state_bytes)
 from machinery.errors import UserError
 from config import make_config
-from train_utils import Checkpoint, DistEnv, Progress
+from train_utils import Checkpoint, DistEnv, Found, Progress
 
 
 @pytest.mark.parametrize("moment, survivor",

@@ -1,4 +1,4 @@
-"""The modern recipe's pieces in-process (transforms.py, dataset_utils.hold_out, the EMA's decay,
+"""The modern recipe's pieces in-process (augment_ops.py, dataset_utils.hold_out, the EMA's decay,
 --init-from's reading): TrivialAugmentWide and random erasing the same bits per image alone or in a batch, on
 both loaders; mixup/cutmix the same for W ranks x A micro-steps as for W x A ranks; the held-out split
 disjoint and fixed. The entry point's behaviours (resume, ranks x micro-steps, best.pt, ...) are in
@@ -10,10 +10,10 @@ import torch
 
 import dataset_utils as du
 import support
-import transforms
-import train_utils
-from machinery.checkpoints import load_initial_weights
+from machinery import augment_ops
 from machinery.errors import UserError
+from machinery.hashing import mix64
+from machinery.init_weights import load_initial_weights
 from machinery.launch import DistEnv
 from model import WideResNet
 
@@ -28,9 +28,9 @@ def random_images(n, channels=3, size=(20, 24), seed=0):
 @pytest.mark.parametrize("channels", [1, 3])
 def test_each_image_is_augmented_the_same_alone_as_in_any_batch(channels):
     x = random_images(96, channels)
-    h = transforms.mix64(3, 2, torch.arange(96))
-    augment = transforms.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5,
-                                 fill=(128,) * channels)
+    h = mix64(3, 2, torch.arange(96))
+    augment = augment_ops.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5,
+                                  fill=(128,) * channels)
     whole = augment(x, h)
     assert torch.equal(whole, torch.cat([augment(x[i:i + 1], h[i:i + 1]) for i in range(96)]))
     assert torch.equal(whole[10:50], augment(x[10:50], h[10:50]))
@@ -39,12 +39,12 @@ def test_each_image_is_augmented_the_same_alone_as_in_any_batch(channels):
 
 def test_every_trivial_augment_op_is_drawn_and_identity_changes_nothing():
     x = random_images(3000, 3, (16, 16))
-    h = transforms.mix64(0, 1, torch.arange(3000))
-    out = transforms.Augment((3, 16, 16), auto_augment="ta_wide")(x, h)
-    op = transforms._bits(transforms.mix64(transforms._SALT_TA, 0, h), 0, 16) % len(transforms.TA_WIDE)
-    counts = torch.bincount(op, minlength=len(transforms.TA_WIDE))
+    h = mix64(0, 1, torch.arange(3000))
+    out = augment_ops.Augment((3, 16, 16), auto_augment="ta_wide")(x, h)
+    op = augment_ops._bits(mix64(augment_ops._SALT_TA, 0, h), 0, 16) % len(augment_ops.TA_WIDE)
+    counts = torch.bincount(op, minlength=len(augment_ops.TA_WIDE))
     assert counts.min() > 150  # 3000 / 14 = 214 each
-    names = [t[0] for t in transforms.TA_WIDE]
+    names = [t[0] for t in augment_ops.TA_WIDE]
     assert torch.equal(out[op == names.index("identity")], x[op == names.index("identity")])
     for name in ("shear_x", "rotate", "brightness", "posterize", "solarize", "equalize"):
         assert (out[op == names.index(name)] != x[op == names.index(name)]).any()
@@ -52,8 +52,8 @@ def test_every_trivial_augment_op_is_drawn_and_identity_changes_nothing():
 
 def test_random_erasing_fills_one_box_of_the_fill_colour_with_its_probability():
     x = torch.full((4000, 3, 32, 32), 7, dtype=torch.uint8)
-    h = transforms.mix64(1, 1, torch.arange(4000))
-    out = transforms.Augment((3, 32, 32), random_erase=0.25, fill=(100, 110, 120))(x, h)
+    h = mix64(1, 1, torch.arange(4000))
+    out = augment_ops.Augment((3, 32, 32), random_erase=0.25, fill=(100, 110, 120))(x, h)
     erased = (out != 7).any(dim=1)  # (N, H, W)
     hit = erased.any(dim=(1, 2))
     assert 0.22 < hit.float().mean() < 0.28
@@ -89,8 +89,8 @@ def mixed_steps(world_size, accum, position=64):
     out = {}
     for rank in range(world_size):
         micro = du.deal_step(8, rank, world_size, accum)
-        mix = transforms.Mix(mixup_alpha=0.4, cutmix_alpha=1.0, num_classes=8, seed=2, rank=rank,
-                             world_size=world_size)
+        mix = augment_ops.Mix(mixup_alpha=0.4, cutmix_alpha=1.0, num_classes=8, seed=2, rank=rank,
+                              world_size=world_size)
         idx = torch.tensor([i for m in micro for i in m])
         x, t = mix(images[idx], labels[idx], epoch=4, position=position, micro_sizes=[len(m) for m in micro])
         start = 0

@@ -1,7 +1,7 @@
 """machinery.signals.StopRequest: its SIGUSR1/SIGTERM/SIGINT handlers are installed only inside `with` and the
 previous ones restored after; a signal or the stop file inside is a stop request, named in `reason`;
-and check's policy on non-finite losses (any, without fp16's grad scaler; a majority since the last
-check, with it); and a rank leaving with an agreed error keeps its exit status through the launcher's
+and train_utils.LossCheck's policy on non-finite losses (any, without fp16's grad scaler; a majority since
+the last check, with it); and a rank leaving with an agreed error keeps its exit status through the launcher's
 SIGTERM."""
 import json
 import os
@@ -14,6 +14,7 @@ import torch
 
 from machinery.errors import UserError
 from machinery.signals import StopRequest
+from train_utils import EPOCH_SUMS, LossCheck
 from support import ROOT, SCRIPTS, python_path
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
@@ -51,7 +52,7 @@ def test_a_signal_inside_is_a_stop_request_named_in_reason(sig, monkeypatch):
         assert not stop.requested_here() and stop.reason == "on another rank"  # nothing here: another rank's
         os.kill(os.getpid(), sig)
         assert stop.requested_here() and stop.reason == sig.name
-        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is True
+        assert stop.check(torch.device("cpu")) is True
     assert signal.getsignal(sig) == before
 
 
@@ -59,32 +60,38 @@ def test_the_stop_file_is_a_stop_request(tmp_path, monkeypatch):
     stop_file = tmp_path / "stop"
     monkeypatch.setenv("DDP_STOP_FILE", str(stop_file))
     with StopRequest() as stop:
-        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is False
+        assert stop.check(torch.device("cpu")) is False
         stop_file.touch()
-        assert stop.check(torch.device("cpu"), finite_samples=32, samples=32, allow_nonfinite=False) is True
+        assert stop.check(torch.device("cpu")) is True
         assert stop.reason == f"stop file {stop_file}"
 
 
 def test_nonfinite_loss_policy():
-    """Without a grad scaler any non-finite loss stops the run; with fp16's scaler, which skips
-    those steps, only a majority of them since the previous check (divergence) does."""
+    """Without a grad scaler any non-finite loss stops the run; with fp16's scaler, which skips those steps,
+    only a majority of them since the previous check (divergence) does. The counts are read by name from the
+    epoch's sums (EPOCH_SUMS), a device tensor mid-epoch or a list at its end."""
     cpu = torch.device("cpu")
 
-    def sums(bad_steps, steps):  # finite n, n for `steps` steps of 32 samples
-        return {"finite_samples": (steps - bad_steps) * 32, "samples": torch.tensor(steps * 32.0)}
-    assert StopRequest().check(cpu, **sums(0, 10), allow_nonfinite=False) is False
+    def sums(bad_steps, steps):  # the epoch's sums after `steps` steps of 32 samples, `bad_steps` non-finite
+        values = dict.fromkeys(EPOCH_SUMS, 0.0)
+        values.update(loss_sum=1.0, finite_samples=(steps - bad_steps) * 32.0, samples=steps * 32.0)
+        return torch.tensor([values[k] for k in EPOCH_SUMS])
+    LossCheck(cpu, allow_nonfinite=False).check(sums(0, 10))
+    LossCheck(cpu, allow_nonfinite=False).check(sums(0, 10).tolist())
     with pytest.raises(UserError, match="became NaN or infinite"):
-        StopRequest().check(cpu, **sums(1, 10), allow_nonfinite=False)
-    fp16 = StopRequest()
-    assert fp16.check(cpu, **sums(4, 10), allow_nonfinite=True) is False  # overflows the scaler skips
-    assert fp16.check(cpu, **sums(8, 20), allow_nonfinite=True) is False  # 4 of the last 10
+        LossCheck(cpu, allow_nonfinite=False).check(sums(1, 10))
+    with pytest.raises(UserError, match="became NaN or infinite"):
+        LossCheck(cpu, allow_nonfinite=False).check(sums(1, 10).tolist())
+    fp16 = LossCheck(cpu, allow_nonfinite=True)
+    fp16.check(sums(4, 10))  # overflows the scaler skips
+    fp16.check(sums(8, 20))  # 4 of the last 10
     with pytest.raises(UserError, match="most fp16 steps since the last check"):
-        fp16.check(cpu, **sums(14, 30), allow_nonfinite=True)  # 6 of the last 10, though 14 of all 30
-    fp16 = StopRequest()
-    fp16.check(cpu, **sums(0, 90), allow_nonfinite=True)
+        fp16.check(sums(14, 30))  # 6 of the last 10, though 14 of all 30
+    fp16 = LossCheck(cpu, allow_nonfinite=True)
+    fp16.check(sums(0, 90))
     with pytest.raises(UserError, match="most fp16 steps"):
-        fp16.check(cpu, **sums(10, 100), allow_nonfinite=True)  # diverged: caught within 10 steps, not after half an epoch
-    assert fp16.check(cpu, **sums(2, 10), allow_nonfinite=True) is False  # a new epoch restarts the sums
+        fp16.check(sums(10, 100))  # diverged: caught within 10 steps, not after half an epoch
+    fp16.check(sums(2, 10))  # a new epoch restarts the sums
 
 
 def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_end_with_their_process():

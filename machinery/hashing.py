@@ -1,0 +1,30 @@
+"""The hash every random draw of the augmentation takes its bits from: splitmix64 of (seed, epoch, index), the
+same bits from a Python int (the CPU workers, one sample at a time) and from an int64 tensor (a batch on the
+device)."""
+import torch
+
+_M64 = (1 << 64) - 1
+_C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
+
+
+def signed(c: int) -> int:
+    return c - (1 << 64) if c >> 63 else c
+
+
+def mix64(seed: int, epoch: int, idx):
+    """splitmix64 of (seed, epoch, index): a well-mixed 64-bit hash that gives each sample its own
+    random crop and flip. `idx` is a Python int (the CPU workers) or an int64 tensor (the device
+    loader): both compute the same bits, so both loaders augment every sample identically."""
+    if isinstance(idx, torch.Tensor):  # int64 wraps like uint64; mask arithmetic shifts into logical ones
+        mul = lambda h, c: h * signed(c)  # noqa: E731
+        shr = lambda h, s: (h >> s) & ((1 << (64 - s)) - 1)  # noqa: E731
+        h = torch.full_like(idx, signed(_C0))
+    else:
+        mul = lambda h, c: (h * c) & _M64  # noqa: E731
+        shr = lambda h, s: h >> s  # noqa: E731
+        h = _C0
+    for k in (seed, epoch, idx):
+        h = mul(h ^ k, _C1)
+        h = mul(h ^ shr(h, 31), _C2)
+        h = h ^ shr(h, 29)
+    return h
