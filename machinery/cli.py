@@ -3,7 +3,6 @@ checked, and the tracebacks a user should not have to read turned into one line.
 from __future__ import annotations
 
 import argparse
-import difflib
 import faulthandler
 import signal
 import sys
@@ -11,9 +10,8 @@ import textwrap
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from machinery.errors import describe_comm_failure
 from machinery.launch import read_dist_env
-from machinery.output import is_main_process, report_to_launcher
+from machinery.output import report_to_launcher
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
@@ -32,6 +30,7 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
         report_to_launcher(line)
         return 130
     except RuntimeError as e:
+        from machinery.diagnose import describe_comm_failure
         if (why := describe_comm_failure(e, args.timeout)) is None:
             raise
         line = f"error: rank {read_dist_env().rank}: {why}"
@@ -52,7 +51,7 @@ def parse_flags(parser, recipes: dict, argv) -> tuple:
                for name, preset in recipes.items()]
     parser.epilog = "\n".join([textwrap.fill(parser.epilog or "", 100), "", "Presets (flags given win):",
                                *presets])
-    parser.error = lambda message: refuse_flags(parser, message)
+    parser.error = lambda message: refuse_flags(parser, message)  # argparse's error: see below
     args, given = parse_once(parser, argv)
     preset = recipes.get(args.recipe, {}) if getattr(args, "recipe", None) else {}
     unknown = [k for k in preset if not hasattr(args, k)]
@@ -73,37 +72,6 @@ def describe_preset(preset: dict) -> str:
     return " ".join(flag(d, v) for d, v in preset.items())
 
 
-def refuse_flags(parser, message: str):
-    """argparse's error, in this script's form: one `error:` line from rank 0 (every rank parses the
-    same command line and leaves with it), naming the flags a mistyped one may have meant; exit status 2.
-    Unknown flags read `unknown flag --batchsize; did you mean --batch-size?`; other errors keep argparse's
-    words."""
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    _, found, extra = message.partition("unrecognized arguments:")
-    extra = extra.split() if found else []
-    unknown = list(dict.fromkeys(f for f in (a.split("=", 1)[0] for a in extra if a.startswith("--"))
-                                 if f not in known))
-    if unknown:
-        guesses = {flag: guess_flags(flag, known) for flag in unknown}
-        if len(unknown) == 1:
-            hints = f"; did you mean {guesses[unknown[0]]}?" if guesses[unknown[0]] else ""
-        else:
-            hints = "".join(f"; {flag}: did you mean {said}?" for flag, said in guesses.items() if said)
-        message = f"unknown flag{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hints}"
-    if is_main_process():
-        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-def guess_flags(flag: str, known: list) -> str:
-    """The flags a mistyped `flag` may have meant, as `--batch-size` or `--base-lr, --lr-scaling or
-    --lr-schedule`: those spelled alike (--batchsize, --epoch), or holding its word (--lr); "" if none."""
-    word = flag[2:].replace("_", "-")
-    alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
-    names = alike + [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}" if names else ""
-
-
 def parse_once(parser, argv) -> tuple:
     """(the parsed flags, the dests given on the command line), from one parse: every dest starts as a marker
     that argparse leaves alone unless the flag is given, and those left get their defaults after."""
@@ -121,3 +89,9 @@ def parse_once(parser, argv) -> tuple:
         else:
             given.add(a.dest)
     return args, given
+
+
+def refuse_flags(parser, message: str):
+    """argparse's error, in this script's form (machinery/diagnose.py): one line, exit status 2."""
+    from machinery.diagnose import refuse_flags as refuse
+    refuse(parser, message)

@@ -5,8 +5,6 @@ every rank, so that all leave together; the entry point says it once (leave_on_u
 exit status says which kind it was: 2 for bad input, 74 for a failed write, 75 for a requested stop."""
 from __future__ import annotations
 
-import datetime
-import os
 import signal
 import sys
 import time
@@ -109,68 +107,14 @@ def os_error_of(e: BaseException) -> OSError | None:
     return None
 
 
-def is_timeout(e: Exception) -> bool:
-    text = str(e).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
-    """A one-line explanation if `e` is a collective that failed for want of a peer (hung: a
-    timeout, with the ranks that never arrived where the store can tell; dead: its connection
-    closed), else None."""
-    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-    if is_timeout(e):
-        collective = (isinstance(e, dist.DistBackendError)
-                      or any(s in str(e) for s in ("gloo", "NCCL", "Watchdog")))
-        absent = ranks_that_did_not_arrive(grace_s=min(30.0, max(5.0, timeout_s / 4))) if collective else None
-        if absent:
-            who = ", ".join(f"rank {r}" + (f" on {host}" if host else "") for r, host in absent)
-            return (f"a collective operation timed out after {timeout_s:g} s: {who} never reached it (hung, "
-                    f"or its node is unreachable: send its process SIGUSR2 to see where it is stuck); "
-                    f"{first}")
-        if absent == []:
-            return (f"a collective operation timed out after {timeout_s:g} s on every rank: they wait in "
-                    f"different collectives (a rank took another path through the code), or the network "
-                    f"between them failed; {first}")
-        return (f"a collective operation timed out after {timeout_s:g} s: another rank is hung or dead "
-                f"(send it SIGUSR2 to see where it is stuck); {first}")
-    if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
-        return (f"lost another rank (its process or node died): {first}; the last checkpoint is intact, "
-                f"and torchrun --max-restarts (or a requeue) resumes from it")
-    return None
-
-
-def ranks_that_did_not_arrive(grace_s: float) -> list | None:
-    """After a collective timed out on this rank: say so in the process group's store (the launcher's, which
-    outlives a hung rank), wait up to `grace_s` for the other ranks that wait in a collective to time out
-    and say so too, and return [(rank, host)] of those that never did: the ones that are hung elsewhere,
-    or gone. None if the store cannot tell (no process group was joined, or its server is gone)."""
-    store = _joined.get("store")
-    if store is None:
-        return None
-    try:
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store.set_timeout(datetime.timedelta(seconds=5))  # a store that does not answer: no line, not a hang
-        store.set(f"timed_out/{rank}", "1")
-        deadline = time.monotonic() + grace_s
-        while True:
-            absent = [r for r in range(world_size) if not store.check([f"timed_out/{r}"])]
-            if not absent or time.monotonic() > deadline:
-                return [(r, store.get(f"host/{r}").decode() if store.check([f"host/{r}"]) else None)
-                        for r in absent]
-            time.sleep(0.25)
-    except Exception:  # noqa: BLE001 - the store is a help here, not a need
-        return None
-
-
-_joined = {}  # the process group's store, kept past destroy_process_group (the entry point's teardown)
+joined = {}  # the process group's store, kept past destroy_process_group (the entry point's teardown)
 
 
 def note_host_in_store(rank: int, host: str) -> None:
     """Each rank's host in the process group's store, for ranks_that_did_not_arrive's line; and the store kept
     for it, as the teardown destroys the process group before the entry point explains a timeout."""
     try:
-        _joined["store"] = dist.distributed_c10d._get_default_store()
-        _joined["store"].set(f"host/{rank}", host)
+        joined["store"] = dist.distributed_c10d._get_default_store()
+        joined["store"].set(f"host/{rank}", host)
     except Exception:  # noqa: BLE001
         pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from machinery.errors import RendezvousError, UserError, all_gather, is_timeout, note_host_in_store
+from machinery.errors import RendezvousError, UserError, all_gather, note_host_in_store
 
 
 @dataclass
@@ -101,7 +100,8 @@ def rendezvous(env: DistEnv, timeout_s: float):
     try:
         yield store
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
-        if (why := describe_init_failure(e, env, timeout_s)) is None:
+        from machinery.diagnose import describe_init_failure
+        if (why := describe_init_failure(e, env, timeout_s, host=host_name())) is None:
             raise
         raise RendezvousError(why) from None
     note_host_in_store(env.rank, host_name())
@@ -141,28 +141,6 @@ def default_workers(env: DistEnv) -> int:
     8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
     cpus = len(os.sched_getaffinity(0))
     return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
-
-
-def describe_init_failure(e: Exception, env: DistEnv, timeout_s: float) -> str | None:
-    """One line for an init_process_group that failed, else None: a peer advertised a loopback address
-    (gloo's connect to it is refused within seconds: ranks bound to an interface that other nodes cannot
-    reach), or the rendezvous timed out."""
-    text = str(e)
-    peer = re.search(r"remote=\[([^\]]+)\]", text)
-    if "connectFullMesh" in text and peer and (peer.group(1).startswith("127.") or peer.group(1) == "::1"):
-        ifname = next((f"{v}={os.environ[v]}" for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-                       if os.environ.get(v)), None)
-        cause = (f"{ifname} names an interface the other nodes cannot reach: set it to the interface that "
-                 f"carries the node's address (ip -br addr), or unset it" if ifname else
-                 "the hostname resolves to a loopback address: map it to the node's address in /etc/hosts or "
-                 "DNS, or set GLOO_SOCKET_IFNAME to the interface that carries that address")
-        return (f"rank {env.rank} on {host_name()} cannot connect to another rank at {peer.group(1)}, a "
-                f"loopback address, so ranks on different nodes cannot meet: {cause}")
-    if is_timeout(e):
-        return (f"rank {env.rank} timed out after {timeout_s:g} s in init_process_group waiting for all "
-                f"{env.world_size} ranks at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
-                f"check that every node started and can reach that address, or raise --timeout")
-    return None
 
 
 def host_name() -> str:
