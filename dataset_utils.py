@@ -17,7 +17,6 @@ import functools
 import hashlib
 import math
 import numbers
-import os
 import pickle
 from dataclasses import dataclass, replace
 
@@ -25,8 +24,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from machinery.bad_samples import BadSample, Share, check_unreadable, first_readable, read_sample, resize_fix
-from machinery.checkpoints import check_same_data
-from machinery.cifar_archive import CIFAR100_FOLDER, fetch_cifar100
 from machinery.data_checks import (channel_stats, check_same_classes, check_worker_sockets, class_names,
                                    folder_classes, mean_std_of_sums, stated_classes)
 from machinery.errors import UserError, call_and_agree
@@ -80,44 +77,18 @@ def prepare_cifar100(data_dir: str, env=None) -> None:
     """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be
     node-local), while the other ranks wait: every rank raises the UserError that says why not. `env`:
     this process's DistEnv, or None for a lone process."""
+    from machinery.cifar_archive import fetch_cifar100  # CIFAR-100's files: loaded for CIFAR-100 only
     if env is None:
         return fetch_cifar100(data_dir)
     call_and_agree(fetch_cifar100, data_dir, here=env.local_rank == 0)
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """The CIFAR pickles hold dicts, lists and numpy arrays; refuse anything else."""
-    ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
-    }
-
-    def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
-        return super().find_class(module, name)
-
-
 def read_cifar100(data_dir: str, train: bool) -> ImageData:
-    """Read the train or test pickle of the CIFAR-100 python version into uint8 tensors."""
-    path = os.path.join(data_dir, CIFAR100_FOLDER, "train" if train else "test")
-    try:
-        with open(path, "rb") as f:
-            entry = _SafeUnpickler(f, encoding="latin1").load()
-        data = torch.as_tensor(entry["data"])
-        labels = torch.as_tensor(entry["fine_labels"], dtype=torch.int64)
-        n = labels.numel()
-        if data.dtype != torch.uint8 or data.shape != (n, 3 * 32 * 32):
-            raise ValueError(f"data is {tuple(data.shape)} {data.dtype}, expected ({n}, 3072) uint8")
-        if n == 0 or labels.min() < 0 or labels.max() >= CIFAR100_CLASSES:
-            raise ValueError(f"labels must lie in [0, {CIFAR100_CLASSES})")
-    except Exception as e:
-        raise UserError(
-            f"{path} is unreadable ({type(e).__name__}: {e}); delete {os.path.dirname(path)} to extract it "
-            f"again"
-        ) from None
-    return ImageData(data.view(n, 3, 32, 32).contiguous(), labels, num_classes=CIFAR100_CLASSES,
-                     mean=CIFAR100_MEAN, std=CIFAR100_STD, source=f"CIFAR-100 in {data_dir}")
+    """The train or test split of the CIFAR-100 python version that prepare_cifar100 extracted."""
+    from machinery.cifar_archive import read_split
+    images, labels = read_split(data_dir, train, num_classes=CIFAR100_CLASSES)
+    return ImageData(images, labels, num_classes=CIFAR100_CLASSES, mean=CIFAR100_MEAN, std=CIFAR100_STD,
+                     source=f"CIFAR-100 in {data_dir}")
 
 
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
@@ -254,7 +225,9 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
         call_and_agree(check_same_classes, spec.classes, test_data, "the checkpoint's training split")
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
-    call_and_agree(check_same_data, found, shape, fingerprints)  # never continue on other data
+    if found is not None and found.ckpt is not None:  # never continue on other data
+        from machinery.resume import check_same_data
+        call_and_agree(check_same_data, found, shape, fingerprints)
     device = loader_device(cfg, env, *splits.values())
     source = describe_source(train_data if train else test_data)
     val_data = None

@@ -21,9 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import RunConfig
 from dataset_utils import CheckedData, load_checked_data, measure_data
-from machinery.checkpoints import (check_finished, check_format, check_room, check_same_device, check_same_model,
-                                   checkpoint_flags, describe_model, is_best_epoch, load_latest_checkpoint,
-                                   save_checkpoint)
+from machinery.checkpoints import check_room, is_best_epoch, load_latest_checkpoint, save_checkpoint
 from machinery.cli import run_cli
 from machinery.errors import (EXIT_STOPPED, UserError, WriteError, agree_on_error, all_gather, all_reduce_max,
                               call_and_agree, leave_on_user_error)
@@ -235,6 +233,7 @@ class Found:
     kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
 
     def describe_model(self) -> str:
+        from machinery.resume import describe_model
         return describe_model(self.ckpt["model_config"])
 
 
@@ -246,14 +245,15 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
     Checkpoint.restore.)"""
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
     ckpt, path = loaded or (None, None)
-    if args.evaluate and ckpt is None:
-        raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
-    if ckpt is not None:
-        check_format(ckpt, path)
-    flags, notes = call_and_agree(checkpoint_flags, args, explicit, ckpt, rules)
-    call_and_agree(check_same_device, ckpt, path, env.device, args.evaluate)
-    finished = (None if ckpt is None or args.evaluate
-                else call_and_agree(check_finished, ckpt, path, flags, notes))
+    if ckpt is None:
+        if args.evaluate:
+            raise UserError(f"--evaluate needs a checkpoint, and there is none in {args.out_dir}")
+        return Found(flags=dict(vars(args)))  # a new run, with the flags as given
+    from machinery import resume  # what a resume checks, loaded when there is one
+    resume.check_format(ckpt, path)
+    flags, notes = call_and_agree(resume.checkpoint_flags, args, explicit, ckpt, rules)
+    call_and_agree(resume.check_same_device, ckpt, path, env.device, args.evaluate)
+    finished = None if args.evaluate else call_and_agree(resume.check_finished, ckpt, path, flags, notes)
     kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
     return Found(ckpt, path, flags, notes, finished, kept)
 
@@ -293,9 +293,10 @@ class Checkpoint:
                 from machinery.init_weights import load_initial_weights
                 log(call_and_agree(load_initial_weights, self.required["model"], self.cfg.init_from))
             return Progress()
+        from machinery.resume import check_format, check_same_model
         ckpt, cfg, env = found.ckpt, self.cfg, self.env
-        check_format(ckpt, found.path, required=self.required)
-        check_same_model(found, self.model_config)
+        check_format(ckpt, found.path, required=self.required)  # all it must hold, or one line
+        check_same_model(found, self.model_config)  # the model this run builds, or one line
         for name, obj in self.required.items():
             if ckpt[name]:  # empty: nothing to restore (a GradScaler that was off)
                 obj.load_state_dict(ckpt[name])

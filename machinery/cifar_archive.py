@@ -1,7 +1,11 @@
-"""CIFAR-100's archive: downloaded once (or placed by hand), md5-checked, extracted into place atomically."""
+"""CIFAR-100's files: the archive downloaded once (or placed by hand), md5-checked, extracted into place
+atomically; its pickles read safely. Imported for CIFAR-100 only (dataset_utils)."""
 import os
+import pickle
 import socket
 import tempfile
+
+import torch
 
 from machinery.errors import UserError
 
@@ -68,3 +72,38 @@ def _download(data_dir: str) -> None:
         finally:
             socket.setdefaulttimeout(old_timeout)
         os.replace(os.path.join(tmp, CIFAR100_ARCHIVE), os.path.join(data_dir, CIFAR100_ARCHIVE))
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """The CIFAR pickles hold dicts, lists and numpy arrays; refuse anything else."""
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_split(data_dir: str, train: bool, *, num_classes: int) -> tuple:
+    """(uint8 images N x 3 x 32 x 32, int64 labels) of the train or test pickle; UserError if it does not
+    read as that."""
+    path = os.path.join(data_dir, CIFAR100_FOLDER, "train" if train else "test")
+    try:
+        with open(path, "rb") as f:
+            entry = SafeUnpickler(f, encoding="latin1").load()
+        data = torch.as_tensor(entry["data"])
+        labels = torch.as_tensor(entry["fine_labels"], dtype=torch.int64)
+        n = labels.numel()
+        if data.dtype != torch.uint8 or data.shape != (n, 3 * 32 * 32):
+            raise ValueError(f"data is {tuple(data.shape)} {data.dtype}, expected ({n}, 3072) uint8")
+        if n == 0 or labels.min() < 0 or labels.max() >= num_classes:
+            raise ValueError(f"labels must lie in [0, {num_classes})")
+    except Exception as e:
+        raise UserError(
+            f"{path} is unreadable ({type(e).__name__}: {e}); delete {os.path.dirname(path)} to extract it "
+            f"again"
+        ) from None
+    return data.view(n, 3, 32, 32).contiguous(), labels

@@ -19,8 +19,9 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, check_format, load_checkpoint,
+from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, load_checkpoint,
                                    load_latest_checkpoint, save_checkpoint, state_bytes)
+from machinery.resume import check_format
 from machinery.errors import UserError
 from config import make_config
 from train_utils import Checkpoint, DistEnv, Found, Progress

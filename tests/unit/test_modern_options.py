@@ -213,7 +213,7 @@ def test_every_flag_has_a_resume_rule_and_every_rule_a_flag():
 ])
 def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_on(change, says):
     import config
-    from machinery.checkpoints import checkpoint_flags
+    from machinery.resume import checkpoint_flags
     before = vars(config.get_args_parser().parse_args([]))
     recipe_flags = [k for k, rule in config.RESUME_RULES.items() if config.RECIPE in (rule, rule[0])]
     assert "mixup_alpha" in recipe_flags and "model_ema" in recipe_flags
