@@ -1,13 +1,7 @@
-"""The config's whole story: train_ddp.py's flags, one flat argparse config with a line of help each, and
-what a resume does with each (RESUME_RULES, a table); the named presets of them (--recipe NAME); the
-argument checks (check_args); and what this run's world makes of them, computed once (make_config: RunConfig).
-A flag added here is cfg.<its name> in the recipe.
-
-A preset maps flag -> value and sits under any flag given on the command line; with no --recipe the
-defaults are the original script's 5-epoch smoke run, and its flags keep their names and meaning. The modern
-recipe's options (weight EMA, gradient clipping, TrivialAugment, random erasing, mixup, cutmix, TTA, weight
-decay apart for norm layers, a held-out validation split, fine-tuning from weights) are each off by default;
---recipe modern turns on those that came out ahead in bench-results/README.md ("The modern recipe").
+"""train_ddp.py's flags (one flat argparse config, a line of help each), what a resume does with each (RESUME_RULES),
+named presets (--recipe NAME; flags given on the command line win), the argument checks (check_args), and what this
+run's world makes of them, computed once (make_config: RunConfig). A flag added here is cfg.<its name> in the recipe.
+With no --recipe the defaults are the original script's 5-epoch smoke run, and every modern-recipe option is off.
 """
 import argparse
 import math
@@ -20,20 +14,17 @@ from machinery.errors import UserError
 from machinery.launch import DistEnv, default_workers
 from model import depth_arg, width_arg
 
-# The WRN paper's WRN-16-8 for CIFAR-100 (Zagoruyko & Komodakis 2016: 79.6% top-1): Nesterov SGD 0.9, LR 0.1
-# per 128 samples, weight decay 5e-4, 200 epochs, x0.2 at 60/120/160; at batch 512 by the linear rule, 5
-# warm-up epochs. The whole schedule, always: no early stopping (--patience 0).
+# The WRN paper's CIFAR-100 recipe (Zagoruyko & Komodakis 2016: WRN-16-8, 79.6% top-1; x0.2 at 60/120/160), at batch
+# 512 by the linear rule with 5 warm-up epochs; the whole schedule, always: no early stopping (--patience 0).
 WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=512, base_lr=0.1,
                  reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
                  momentum=0.9, nesterov=True, weight_decay=5e-4, patience=0)
 
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe
-    # The WRN paper's recipe with the mirror at evaluation (--tta): the measured composition, no better than
-    # wrn-paper (bench-results/README.md, "Does --recipe modern earn its name?").
+    # wrn-paper + the mirror at evaluation (--tta), the measured pick: not measurably better (bench-results/README.md)
     "modern": dict(**WRN_PAPER, tta=True),
-    # The original script's LR: --base-lr as given for any batch, constant, no warm-up. With its job's flags
-    # (--batch-size 1024 --epochs 100 --base-lr 0.04 --target-accuracy 0.95 --patience 2) it trains at 0.04.
+    # The original script's LR: --base-lr as given for any batch, constant, no warm-up (docs/original-script.md)
     "original": dict(lr_scaling="none", warmup_epochs=0.0, lr_schedule="constant"),
     # About 70 s on 2 idle CPU cores: a WRN-10-2 on the learnable synthetic data, no download (13% -> 89% top-1).
     "cpu-try": dict(dataset="synthetic", depth=10, widen_factor=2, train_size=5000, test_size=1000,
@@ -155,10 +146,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 #   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);
 #   NOTED   may change (the LR, batch size, schedule): the resumed run's log says what changed;
 #   QUIET   may change without a word (where files go, how fast, what is scored or logged).
-# (RULE, before): for a flag added after checkpoints existed, what a checkpoint written before it meant; None:
-# the option was off, so a value that turns it on changes the run. ANY: any value continues it (a decay that
-# means nothing while its option is off). A flag added to get_args_parser needs its line here (a unit test
-# checks).
+# (RULE, before): for a flag added after checkpoints existed, what an older checkpoint meant (None: the option was
+# off, so a value that turns it on changes the run; ANY: any value continues it, as for a decay that means nothing
+# while its option is off). A flag added to get_args_parser needs its line here (a unit test checks).
 RESUME_RULES = {
     # the original script's flags
     "batch_size": NOTED, "epochs": NOTED, "base_lr": NOTED, "target_accuracy": NOTED, "patience": NOTED,
@@ -245,9 +235,8 @@ def check_recipe_args(args) -> None:
 
 @dataclass(frozen=True, eq=False)
 class RunConfig:
-    """Every flag, and what this run makes of them in its world: built once (make_config), read by
-    training, --evaluate and bench.py, and stored whole in config.json and every checkpoint. A flag
-    reads as an attribute too: cfg.epochs is flags["epochs"]."""
+    """Every flag and what this run makes of them in its world: built once (make_config), read by training,
+    --evaluate and bench.py, stored whole in config.json and every checkpoint. cfg.epochs reads flags["epochs"]."""
     flags: dict              # every flag, after --recipe and what a resumed checkpoint rules
     world_size: int          # ranks in all
     nodes: int               # hosts they run on
@@ -275,15 +264,13 @@ class RunConfig:
 
 
 def make_config(args, env: DistEnv, found=None) -> RunConfig:
-    """The run's config from the flags (those of `found`, train_utils.Found: the checkpoint's where it rules,
-    if given) and the world (`env`: its ranks and nodes)."""
+    """The run's config from the flags (`found`'s, a train_utils.Found, where its checkpoint rules) and `env`."""
     args = argparse.Namespace(**found.flags) if found is not None and found.flags else args
     clash = set(vars(args)) & ({f.name for f in fields(RunConfig)} | {"to_dict"})
     if clash:  # a flag named like a derived value would be shadowed by it
         raise ValueError(f"flags named like RunConfig's fields: {sorted(clash)}; "
                          f"rename them in get_args_parser")
-    # --batch-size is global: each rank takes its share
-    per_rank_batch = -(-args.batch_size // env.world_size)
+    per_rank_batch = -(-args.batch_size // env.world_size)  # --batch-size is global: each rank takes its share
     accum = accumulation_steps(per_rank_batch, args.micro_batch)
     return RunConfig(
         flags=dict(vars(args)), world_size=env.world_size, nodes=env.nodes,
@@ -292,14 +279,12 @@ def make_config(args, env: DistEnv, found=None) -> RunConfig:
         lr=scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling),
         num_workers=args.workers if args.workers >= 0 else default_workers(env), device_type=env.device.type,
         amp_dtype=resolve_amp(args.amp, env.device),
-        # The average's horizon stays the same in samples whatever the batch: a step of B samples decays it by
-        # D^(B / reference batch) (torchvision adjusts its decay for the batch and EMA interval alike).
+        # One horizon in samples at any batch: a step of B samples decays by D^(B / reference batch) (as torchvision).
         ema_decay=args.model_ema_decay ** (args.batch_size / args.reference_batch_size))
 
 
 def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
-    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most
-    `micro_batch` samples (None: no cap, one step)."""
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most `micro_batch` (None: 1)."""
     if not micro_batch or micro_batch >= per_rank_batch:
         return 1
     return next(a for a in range(1, per_rank_batch + 1)
@@ -317,7 +302,6 @@ def resolve_amp(amp: str, device: torch.device):
     if amp == "auto":
         if device.type != "cuda":
             return None
-        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated,
-        # slowly.
+        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
         return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]

@@ -1,17 +1,8 @@
-"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100,
-or learnable synthetic data of its shape, as uint8 tensors: load_split; image folders: image_folder), the DDP
-sampler (EpochSampler) and the loaders.
-
-Whatever `load_data` in train_ddp.py returns decides the rest: the model's input channels and classes, the
-normalisation's mean and std, and the augmentation's crop, all measured by measure_data (below), and checked
-against the checkpoint a run continues (load_checked_data).
-
-The images stay uint8 until they reach the device: the loader workers only crop
-and flip, and normalisation runs on the device in `Normalize`. That keeps the
-CPU cost per image tiny, which matters on clusters with few cores per GPU.
-
-Random augmentation is a pure function of (seed, epoch, sample index), so it does
-not depend on the number of ranks or workers, or on whether the run was resumed.
+"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100 or
+learnable synthetic data: load_split; image folders: image_folder), the DDP sampler (EpochSampler), the loaders.
+Images stay uint8 until they reach the device: loader workers only crop and flip, and `Normalize` runs on the
+device, which keeps the CPU cost per image tiny (it matters on clusters with few cores per GPU). Augmentation is a
+pure function of (seed, epoch, sample index): the same for any number of ranks or workers, resumed or not.
 """
 import functools
 import hashlib
@@ -31,7 +22,7 @@ from machinery.loader_workers import worker_context
 from machinery.signals import deaf_to_stop_signals, stop_signals_held
 from transforms import crop_flip, crop_flip_batch, crop_padding, mix64, pad_images, signed
 
-# What CIFAR-100 states of itself: its classes and its training set's per-channel statistics.
+# CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -39,9 +30,8 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 @dataclass
 class ImageData:
-    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,). It may state its
-    number of classes and its per-channel mean and std (fractions of 255); measure_data computes
-    what it does not state. Data too large for memory: a Dataset instead (see measure_data)."""
+    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,). What it does not state of
+    num_classes, mean and std (fractions of 255), measure_data computes. Too large for memory: use a Dataset."""
     images: torch.Tensor
     labels: torch.Tensor
     num_classes: int | None = None
@@ -56,7 +46,7 @@ class ImageData:
 @dataclass(frozen=True)
 class DataSpec:
     """What the data say of themselves; the model, the normalisation and the augmentation follow it.
-    Stored in config.json and in every checkpoint: a resume on data of another shape is refused."""
+    Stored in config.json and every checkpoint: a resume on data of another shape is refused."""
     channels: int
     height: int
     width: int
@@ -66,7 +56,7 @@ class DataSpec:
     classes: tuple | None = None  # the classes' names, index by index, where the training split names them
 
     def shape(self) -> dict:
-        """What the model's shapes follow: an image's channels, height and width, and the classes."""
+        """What the model's shapes follow."""
         return {"channels": self.channels, "height": self.height, "width": self.width,
                 "num_classes": self.num_classes}
 
@@ -74,9 +64,8 @@ class DataSpec:
 # ----------------------------------------------------------------------------- CIFAR-100 on disk
 
 def prepare_cifar100(data_dir: str, env=None) -> None:
-    """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be
-    node-local), while the other ranks wait: every rank raises the UserError that says why not. `env`:
-    this process's DistEnv, or None for a lone process."""
+    """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be node-local) while
+    the others wait; every rank raises the UserError that says why not. `env`: DistEnv, or None for a lone process."""
     from machinery.cifar_archive import fetch_cifar100  # CIFAR-100's files: loaded for CIFAR-100 only
     if env is None:
         return fetch_cifar100(data_dir)
@@ -92,9 +81,8 @@ def read_cifar100(data_dir: str, train: bool) -> ImageData:
 
 
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
-    """Images of CIFAR-100's shape and dtype whose class can be learned: each class has its own colour
-    and grating (the same in both splits), and every image adds its own noise. For smoke runs, which
-    then show learning, and for benchmarks, which do not look at the pixels."""
+    """Learnable images of CIFAR-100's shape and dtype: each class has its own colour and grating (the same in both
+    splits), each image its own noise. For smoke runs, which then show learning, and for benchmarks."""
     classes = torch.Generator().manual_seed(1234)  # the class patterns: one set for train and test
     colour = torch.empty(CIFAR100_CLASSES, 3, 1, 1).uniform_(50, 205, generator=classes)
     freq = torch.randint(1, 4, (CIFAR100_CLASSES, 2, 1, 1), generator=classes).float()
@@ -129,19 +117,17 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
 # ------------------------------------------------------------------ image folders, for a load_data of your own
 
 def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None):
-    """A split of image files, root/<class>/<image> (PNG, JPEG, ...): machinery/image_folders.py's
-    ImageFolderSplit, torchvision's ImageFolder for folders as users have them (hidden files left out, classes
-    numbered by `classes`, each image read as it looks). `mode`: "RGB" or "L" (1 channel). `size`: (height,
-    width), or one number for both, to resize images of other sizes to (photos as they come); None: keep.
-    torchvision is imported here, when called: its import costs every process a second."""
+    """A split of image files, root/<class>/<image>: machinery/image_folders.py's ImageFolderSplit, torchvision's
+    ImageFolder for folders as users have them (hidden files left out, classes numbered by `classes`, images read
+    as they look). `mode`: "RGB" or "L". `size`: (height, width), or one number, to resize to; None: keep.
+    torchvision is imported only when called: its import costs every process a second."""
     from machinery.image_folders import ImageFolderSplit
     return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size)
 
 
 def mean_std(split, samples: int = 2000) -> tuple:
-    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact
-    integer sums over `samples` images spread evenly over it (0: every one), so that every rank gets the same
-    numbers; samples that do not read are left out."""
+    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
+    sums over `samples` images spread evenly (0: all), so every rank gets the same numbers; unreadable ones skipped."""
     n = len(split)
     picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
     total = squares = count = 0
@@ -161,12 +147,9 @@ def mean_std(split, samples: int = 2000) -> tuple:
 # ------------------------------------------------------------------ what load_data returned, checked
 
 def measure_data(train, test) -> DataSpec:
-    """What the splits that load_data returned say of themselves: an image's channels, height and width,
-    the number of classes, and the training split's per-channel mean and std. What a split states is
-    taken as stated (ImageData's fields; a Dataset's `num_classes`, `mean` and `std` attributes, or
-    its `classes` list as torchvision's datasets have); ImageData's rest is computed, from exact integer
-    sums, so that every rank gets the same numbers. A Dataset (too large to read twice) states its mean
-    and std. Raises UserError, naming load_data, if the splits are not what the loaders take."""
+    """The DataSpec of load_data's splits, as stated (ImageData's fields; a Dataset's `num_classes`, `mean`, `std` or
+    `classes`), else computed from exact integer sums, the same on every rank; a Dataset, too large to read twice,
+    must state its mean and std. UserError, naming load_data, if the loaders cannot take the splits."""
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape != shape:
@@ -200,8 +183,7 @@ def measure_data(train, test) -> DataSpec:
 
 @dataclass
 class CheckedData:
-    """The splits load_data returned (train: None for --evaluate), what they say of themselves, and their
-    fingerprints, checked against the checkpoint a run continues."""
+    """load_data's splits (train: None for --evaluate), spec and fingerprints, checked against the run's checkpoint."""
     train: object
     test: object
     spec: DataSpec
@@ -212,9 +194,9 @@ class CheckedData:
 
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
-    """load_data(cfg, env, train) on every rank, measured (measure_data) and checked to be the data the
-    checkpoint in `found` trained on; every rank raises the UserError that says why not. Without the
-    training split (--evaluate) the spec is the checkpoint's: the training set's mean and std."""
+    """load_data(cfg, env, train) on every rank, measured and checked to be the data the checkpoint in `found`
+    trained on; every rank raises the UserError that says why not. Without a training split (--evaluate) the spec
+    is the checkpoint's: the training set's mean and std."""
     train_data, test_data = call_and_agree(load_data, cfg, env, train)
     if train:
         spec = call_and_agree(measure_data, train_data, test_data)
@@ -237,8 +219,7 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
 
 
 def loader_device(cfg, env, *splits):
-    """dataset_utils.data_device, agreed by every rank; for DataLoader workers (None), also the check that they
-    can start here (check_worker_sockets)."""
+    """data_device, agreed by every rank; for DataLoader workers (None), also the check that they can start here."""
     device = call_and_agree(data_device, cfg.loader, env.device, *splits)
     if device is None:
         call_and_agree(check_worker_sockets, cfg.num_workers)
@@ -246,8 +227,7 @@ def loader_device(cfg, env, *splits):
 
 
 def describe_source(split) -> str:
-    """What load_data returned and where from, as the records name it: ImageData's `source` (CIFAR-100 in a
-    dir, synthetic), or a Dataset's class and its `root`."""
+    """What load_data returned and where from, for the records: ImageData's `source`, or a Dataset's class and root."""
     while isinstance(split, Subset):
         split = split.dataset
     if isinstance(split, ImageData):
@@ -257,9 +237,8 @@ def describe_source(split) -> str:
 
 
 def hold_out(train, size: int) -> tuple:
-    """(the rest, `size` samples held out) of the training split: the same samples on every rank and in every
-    run of these data, whatever --seed (a fixed permutation), so that runs compare on one validation split.
-    The data's statistics (DataSpec) stay those of the whole split as loaded."""
+    """(the rest, `size` held-out samples) of the training split: a fixed permutation, the same on every rank and in
+    every run whatever --seed, so runs compare on one validation split. DataSpec stays the whole split's."""
     if size >= len(train):
         raise UserError(f"--val-size {size} leaves no training samples of the {len(train)}: hold out fewer")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
@@ -271,8 +250,8 @@ def hold_out(train, size: int) -> tuple:
 
 
 def check_split(split, name: str) -> tuple:
-    """(channels, height, width) of a split's images; UserError if it is not ImageData of uint8 images
-    (N, C, H, W) and int64 labels (N,), or a Dataset of (uint8 C x H x W tensor, integer label)."""
+    """(channels, height, width) of a split's images; UserError unless it is ImageData of uint8 images (N, C, H, W)
+    and int64 labels (N,), or a Dataset of (uint8 C x H x W tensor, integer label)."""
     if isinstance(split, ImageData):
         images, labels = split.images, split.labels
         if (images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64
@@ -315,9 +294,8 @@ def count_classes(train, test) -> int:
 
 
 def fingerprint(data) -> str:
-    """A short hash of the samples themselves (about 0.2 s for CIFAR-100's 150 MB), stored in every
-    checkpoint: a resume on other data is refused, whatever the flags or the data dir say. Of a Dataset
-    (not read whole), its labels if it lists them as `targets`, and its first and last samples."""
+    """A short hash of the samples (0.2 s for CIFAR-100's 150 MB), stored in checkpoints: a resume on other data is
+    refused, whatever the flags or data dir say. A Dataset (not read whole): its `targets`, first and last samples."""
     h = hashlib.blake2b(digest_size=8)
     if isinstance(data, ImageData):
         h.update(data.labels.numpy().tobytes())
@@ -337,18 +315,13 @@ def fingerprint(data) -> str:
 class EpochSampler:
     """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys.
 
-    The epoch's order is randperm(seed + epoch), as in DistributedSampler. Global step s covers
-    positions [s * batch, (s + 1) * batch) of that order, whatever the world size, so
-    `set_epoch(epoch, start=p)` resumes at position p with exactly the samples the epoch has not
-    yet seen, even on another number of ranks or with another batch size.
-
-    Within a step the positions are dealt, like DistributedSampler's shards, to V = world_size x
-    accum_steps virtual ranks (`deal_step`): rank r's k-th accumulation micro-step is virtual rank
-    r + k x world_size, so W ranks x A micro-steps train on exactly the micro-batches that W x A
-    ranks would. Each step yields rank r's A micro-batches back to back, and `step_split` tells the
-    training step where they part. Nothing is padded or dropped: the epoch's last, short step deals
-    what is left the same way, so some micro-batches there are one sample smaller, or empty, and
-    every rank still takes the same number of steps."""
+    The epoch's order is randperm(seed + epoch), as in DistributedSampler. Global step s covers positions
+    [s * batch, (s + 1) * batch) of it whatever the world size, so `set_epoch(epoch, start=p)` resumes with exactly
+    the samples the epoch has not seen, even on another number of ranks or batch size. A step's positions are dealt
+    to world_size x accum_steps virtual ranks (deal_step), so W ranks x A micro-steps train on exactly the
+    micro-batches W x A ranks would; each step yields this rank's A micro-batches back to back, and `step_split`
+    says where they part. Nothing is padded or dropped: the short last step is dealt the same way (some
+    micro-batches a sample smaller, or empty), so every rank takes the same number of steps."""
 
     def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
                  seed: int = 0):
@@ -360,13 +333,12 @@ class EpochSampler:
 
     def set_epoch(self, epoch: int, start: int = 0, skipped: list | None = None) -> None:
         """Sample `epoch`'s order from position `start`. `skipped`: the epoch's unreadable samples skipped so
-        far (Progress.skipped), a list the loader adds to (AgreedLoader)."""
+        far (Progress.skipped), a list AgreedLoader adds to."""
         self.epoch, self.start, self.skipped = epoch, start, skipped if skipped is not None else []
 
     def step_split(self, position: int, skipped=()) -> tuple:
-        """The global step that starts at `position` of the epoch's order: its number of samples (the
-        epoch's last step may be short) and the sizes of this rank's micro-batches in it, less the
-        `skipped` BadSamples (each at its slot in the rank's batch)."""
+        """(samples, this rank's micro-batch sizes) of the global step at `position` (the epoch's last may be short),
+        less the `skipped` BadSamples (each at its slot in the rank's batch)."""
         step_samples = min(self.batch_size, self.num_samples - position)
         sizes = [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
         ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
@@ -388,20 +360,17 @@ class EpochSampler:
 
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
-    """The positions within a global step of `step_samples` samples that rank `rank`'s micro-steps take,
-    one range per micro-step: virtual rank v = rank + k x world_size takes every V-th position from v,
-    V = world_size x accum_steps. The one place the split is made: the sampler deals by it, and the
-    training step splits its batch by it (EpochSampler.step_split)."""
+    """The positions in a step of `step_samples` that `rank`'s micro-steps take, one range each: micro-step k is
+    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps).
+    The one place the split is made: the sampler deals by it, and step_split splits the training batch by it."""
     v = world_size * accum_steps
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
 
 
 class ImageDataset(Dataset):
-    """A split for the DataLoader: ImageData (held in memory), or a Dataset of (uint8 C x H x W tensor,
-    label) whose items the loader's workers read; a sample that does not read as one of the split's shape
-    comes as a BadSample. With `augment`, items are keyed (epoch, index) and get crop_flip with
-    hash(seed, epoch, index); with `extra` (augment_ops.Augment), items carry that hash, and _collate applies
-    `extra` to the batch: the same for any number of ranks or workers. `split`: "training" or "test"."""
+    """A split for the DataLoader (`split`: "training" or "test"): ImageData, or a Dataset the workers read, whose
+    unreadable samples come as BadSamples. With `augment`, keys are (epoch, index) and crop_flip uses their hash, as
+    does `extra` (augment_ops.Augment), applied per batch in _collate: the same for any number of ranks or workers."""
 
     def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
         self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
@@ -437,8 +406,7 @@ class ImageDataset(Dataset):
 
 
 def data_device(loader: str, device: torch.device, *splits):
-    """Where the loaders keep the data: `device` (--loader gpu, and auto on CUDA) for ImageData held in
-    memory, or None for DataLoaders with CPU workers (--loader torch, and any Dataset)."""
+    """`device` to keep ImageData there (--loader gpu, or auto on CUDA), or None for DataLoader workers."""
     in_memory = all(isinstance(s, ImageData) for s in splits)  # a Dataset is read by the workers
     if loader == "gpu" and not in_memory:
         other = next(type(s).__name__ for s in splits if not isinstance(s, ImageData))
@@ -448,10 +416,9 @@ def data_device(loader: str, device: torch.device, *splits):
 
 
 def _collate(shape, batch, extra=None):
-    """(images, labels, unreadable): default_collate of the samples that read, empty tensors if none did (or a
-    rank has nothing left in the last step), and the BadSamples in their slots. Items that carry their hash
-    (ImageDataset with `extra`) get `extra` (augment_ops.Augment) here, batched: the same bits as one by
-    one."""
+    """(images, labels, unreadable): the samples that read, collated (empty tensors if none did, or the rank has
+    none left in the last step), and the BadSamples in their slots. Items that carry their hash get `extra`
+    (augment_ops.Augment) here, batched: the same bits as one by one."""
     unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if isinstance(b, BadSample)]
     good = [b for b in batch if not isinstance(b, BadSample)]
     if not good:
@@ -463,15 +430,10 @@ def _collate(shape, batch, extra=None):
 
 
 def build_loaders(data, cfg, env) -> tuple:
-    """(train, test, val) loaders of `data` (a CheckedData: its splits, spec and device) for this rank
-    (`env`). The training loader yields this rank's share of each global batch of cfg.batch_size, as
-    cfg.accumulation_steps micro-batches back to back (call batch_sampler.set_epoch each epoch, and step_split
-    for each batch's micro-batches); None without a training split (--evaluate). The test loader (and val's,
-    for --val-size; else None) shards without padding or dropping: every image scored exactly once, in batches
-    of cfg.eval_batch. With data.device, DeviceLoaders over ImageData held there; else DataLoaders whose
-    workers read the samples, in AgreedLoaders that skip up to cfg.skip_bad_samples unreadable training
-    samples per epoch. The augmentation flags add augment_ops.Augment per sample and augment_ops.Mix per
-    micro-batch."""
+    """(train, test, val) loaders of `data` (CheckedData) for this rank. train (None for --evaluate) yields its share
+    of each global batch as cfg.accumulation_steps micro-batches (call batch_sampler.set_epoch each epoch, step_split
+    per batch); test and val (None without --val-size) score each image once, none padded or dropped. DeviceLoaders
+    with data.device; else AgreedLoaders, which skip up to cfg.skip_bad_samples unreadable samples per epoch."""
     test = build_test_loader(data.test, cfg, env, device=data.device)
     val = None if data.val is None else build_test_loader(data.val, cfg, env, data.device, "validation")
     if data.train is None:
@@ -510,8 +472,7 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
-    """Both loaders' options. The workers are forked by a forkserver (machinery/loader_workers.py), so a Dataset
-    must be top-level."""
+    """The workers start from a forkserver (machinery/loader_workers.py), so a Dataset must be top-level."""
     return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
                 generator=torch.Generator().manual_seed(seed),
                 worker_init_fn=deaf_to_stop_signals if workers else None,
@@ -519,11 +480,10 @@ def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
 
 
 class AgreedLoader:
-    """A DataLoader over ImageDataset, whose batches lack the samples that did not read (BadSample): it yields
-    (images, labels) of the rest, and step_split(position) gives the micro-batches' sizes without them. The
-    ranks agree on the unreadable samples (check_unreadable: a small all-reduce) when the training loop
-    calls check() (at its stop checks, before any checkpoint) and after the last batch: each is named in the
-    log and skipped, up to `limit` per epoch; past it, or for any test sample, every rank raises UserError."""
+    """A DataLoader over ImageDataset that yields (images, labels) less the unreadable samples (BadSample);
+    step_split gives the micro-batch sizes without them. The ranks agree on them (a small all-reduce) in check(),
+    which the training loop calls at its stop checks (before any checkpoint), and after the last batch: each is
+    logged and skipped, up to `limit` per epoch; past it, or for any test sample, every rank raises UserError."""
 
     def __init__(self, loader: DataLoader, limit: int = 0, mix=None):
         self.loader, self.limit, self.mix = loader, limit, mix
@@ -563,10 +523,9 @@ class AgreedLoader:
 
 
 class DeviceLoader:
-    """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB), and each batch is
-    gathered and augmented there with tensor ops: no CPU workers, no host-to-device copies.
-    Batches hold the same samples as the torch loader's (the same EpochSampler) with the same
-    crops and flips (the same hash). For data that does not fit on the device, use --loader torch."""
+    """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
+    there with tensor ops: no CPU workers, no host-to-device copies. The same samples, crops and flips as the torch
+    loader (the same EpochSampler and hash). For data that does not fit on the device: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
                  seed: int = 0, extra=None, mix=None):
@@ -608,9 +567,8 @@ class DeviceLoader:
 
 
 def mix_step(loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
-    """The training loader's (AgreedLoader's or DeviceLoader's) `step`-th batch of this pass through its
-    augment_ops.Mix: mixup/cutmix within each micro-batch (step_split's, unread samples left out), soft
-    targets."""
+    """The training loader's `step`-th batch of this pass through its augment_ops.Mix: mixup/cutmix within each
+    micro-batch (step_split's, unread samples left out), soft targets."""
     sampler = loader.batch_sampler
     position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
     _, micro_sizes = loader.step_split(position)

@@ -299,9 +299,8 @@ def train(cfg, env, found, lock) -> int:
             utils.log_epoch(metrics, cfg.epochs, top5=data.spec.num_classes > 5)  # the original's four lines
             progress.stopped_early = progress.reached_target(cfg.target_accuracy, cfg.patience)
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
-            # ADAPT: an option that finalises its state at the end of training does it here, `if finished:`,
-            # before the last checkpoint and the summary (SWA: utils.recompute_bn_stats on its average, then
-            # its score).
+            # ADAPT: an option that finalises its state at the end of training does it here, `if finished:`, before
+            # the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
             checkpoint.save(progress)
             run_files.add_epoch(metrics)
             if finished:

@@ -1,12 +1,8 @@
 """What train_ddp.py uses, in the order it uses it: the LR schedule, gradient sync, the loss sums and their
-check (LossCheck), the unused-parameter check, where training stands (Progress), the checkpoint a run
-continues (find_checkpoint) and what a checkpoint holds (Checkpoint), and the original script's log lines.
-The flags, their checks and the config computed once are config.py's.
-
-The machinery behind these lives in machinery/, a module per concern (its __init__ lists them). A reader of
-the recipe rarely needs to open it. One error protocol throughout: a problem the user can fix is a UserError
-(exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0. Nothing runs at
-import."""
+check, the unused-parameter check, where training stands (Progress), the checkpoint a run continues
+(find_checkpoint) and what a checkpoint holds (Checkpoint), and the original script's log lines. Below it,
+machinery/ (machinery/README.md). One error protocol throughout: a problem the user can fix is a UserError
+(exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0."""
 from __future__ import annotations
 
 import inspect
@@ -45,11 +41,9 @@ __all__ = [  # what the recipe calls, from here or from the machinery
 # ------------------------------------------------------------------------- the LR schedule
 
 def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, schedule: str) -> float:
-    """Multiplier of the peak LR for a step that trains from `start` to `end`, both in epochs done
-    (epoch - 1 + position in the epoch / its samples). Counted in samples, not steps, the schedule
-    keeps its place when a resumed run changes the batch size. Linear warm-up, then cosine to 0 at
-    the end of training, the WRN paper's steps (x0.2 at 30%, 60% and 80% of training), or constant
-    (the original script's)."""
+    """Multiplier of the peak LR for a step from `start` to `end`, in epochs done (counted in samples, not
+    steps: a resume with another batch size keeps its place). Linear warm-up, then cosine to 0, the WRN
+    paper's steps (x0.2 at 30%, 60% and 80% of training), or constant (the original script's)."""
     if start < warmup_epochs:
         return min(1.0, end / warmup_epochs)
     if schedule == "constant":
@@ -174,8 +168,7 @@ class Progress:
     total_time_s: float = 0.0
     total_images: int = 0
     stopped_early: bool = False
-    # that epoch's unreadable samples skipped so far (AgreedLoader)
-    skipped: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)  # that epoch's unreadable samples skipped so far
 
     def epochs_left(self, epochs: int) -> range:
         """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
@@ -190,10 +183,9 @@ class Progress:
         return len(recent) == patience and min(recent) >= target
 
     def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict) -> dict:
-        """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training loss
-        and samples, the test metrics, the LR of its last step, its time, and `timing`: every rank's
-        split of its step time, from StepLog.finish_epoch), kept in the history; the next epoch starts at its
-        beginning. Returns the row."""
+        """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training sums, the
+        test metrics `val`, the last step's LR, its time, and `timing`: StepLog.finish_epoch's every rank's
+        split), kept in the history. Returns the row."""
         sums = dict(zip(EPOCH_SUMS, self.sums))
         count = sums["samples"]
         metrics = {"epoch": epoch, "train_loss": sums["loss_sum"] / max(sums["finite_samples"], 1),
@@ -226,8 +218,7 @@ class Found:
     """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
     ckpt: dict | None = None
     path: str | None = None
-    # the flags to run with: as given, but for those the checkpoint rules
-    flags: dict = field(default_factory=dict)
+    flags: dict = field(default_factory=dict)  # the flags to run with: as given, or as the checkpoint rules
     notes: list = field(default_factory=list)  # what this run changes, for the start of the log
     finished: str | None = None  # a finished run rerun with the same command: the line that says so
     kept: set = field(default_factory=set)  # flags the checkpoint set, not the user (the per-rank memory cap)
@@ -238,11 +229,10 @@ class Found:
 
 
 def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
-    """The checkpoint this run continues: the newest in --out-dir that loads (torch.load, weights_only), and
-    the flags to continue it with. Every rank raises the UserError that says why it cannot: a checkpoint of
-    an older format, a flag that `rules` (config.RESUME_RULES) refuses to change, another device type, or a
-    finished run asked to change. (Its data and model are checked once built: load_checked_data and
-    Checkpoint.restore.)"""
+    """The checkpoint this run continues, the newest in --out-dir that loads (torch.load, weights_only), and the
+    flags to continue it with. Every rank raises the UserError that says why it cannot: an older format, a flag
+    that `rules` (config.RESUME_RULES) refuses to change, another device type, a finished run asked to change.
+    Its data and model are checked once built (load_checked_data, Checkpoint.restore)."""
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
     ckpt, path = loaded or (None, None)
     if ckpt is None:
@@ -258,16 +248,12 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
     return Found(ckpt, path, flags, notes, finished, kept)
 
 
-
 class Checkpoint:
-    """What a checkpoint holds, registered once; saving, restoring, sizing and the resume checks go over it.
-
-    `state` (keywords: name=object with state_dict() and load_state_dict()) is required: a checkpoint
-    without one is refused as an older version's. State an option adds later goes in with add(), which
-    says what stands in for it when a checkpoint written before the option has none: so old checkpoints
-    still resume, and nothing is guessed silently. Besides the state a checkpoint holds where training
-    stands (Progress), the config, the model's config and the data's fingerprints (a resume must match
-    them), and every rank's RNG states (machinery/checkpoints.py: REQUIRED_KEYS)."""
+    """What a checkpoint holds, registered once; saving, restoring and sizing go over it. `state` (name=object
+    with state_dict() and load_state_dict()) is required. State an option adds later goes in with add(), which
+    says what stands in for it in an older checkpoint: old checkpoints still resume, nothing guessed silently.
+    Besides the state: where training stands (Progress), the config, the model's config, the data's
+    fingerprints, and every rank's RNG states (machinery/checkpoints.py: REQUIRED_KEYS)."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, **state):
         self.cfg, self.env, self.data, self.model_config, self.lock = cfg, env, data, model_config, lock
@@ -340,8 +326,7 @@ class Checkpoint:
                  "model_config": self.model_config, "data": self.data.fingerprints,
                  "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
         out_dir, what = self.cfg.out_dir, f"the checkpoint {describe_position(**asdict(progress))}"
-        # With a validation split (--val-size), an epoch's end with the best validation accuracy so far is
-        # also best.pt.
+        # --val-size: an epoch's end with the best validation accuracy so far is also best.pt
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
         error = None
         if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them, whole then renamed

@@ -1,14 +1,8 @@
-"""Augmentation keyed on a hash: the random draws of the crop and flip per sample here; those of TrivialAugmentWide
-(--auto-augment ta_wide) and random erasing (--random-erase) per sample, and of mixup and cutmix
-(--mixup-alpha, --cutmix-alpha) per micro-batch, in machinery/augment_ops.py (loaded when those flags are on).
-
-Each draw is a pure function of a hash, never of a random generator's state: a sample's of (seed, epoch,
-index), a micro-batch's of (seed, epoch, the step's first position, its virtual rank). So a run trains the
-same on any number of ranks with the same global batch and micro-batches (W ranks x A micro-steps as W x A
-ranks), a resume mid-epoch is bit-identical, and the DataLoader workers (one image at a time) and the device
-loader (a step's batch at once) augment alike. The pixel arithmetic is integer (factors and affine matrices in
-fixed point, from tables built once on the host), so the same draws give the same bits on any device, in any
-batch. The images stay uint8 (C x H x W) until the device normalises them.
+"""The augmentation's crop and flip, drawn from a hash of (seed, epoch, sample index), never from a random
+generator's state: so a run trains the same on any number of ranks (W ranks x A micro-steps as W x A ranks), a
+resume mid-epoch is bit-identical, and the DataLoader workers (one image at a time) and the device loader (a
+batch at once) cut the same pixels. The modern recipe's ops draw from the same hash (machinery/augment_ops.py,
+loaded when their flags are on). The images stay uint8 until the device normalises them.
 """
 import torch
 

@@ -1,7 +1,5 @@
-"""Samples that do not read: a corrupt, empty or missing file, an image of another shape. The loader passes a
-BadSample on in place of the sample, and the ranks agree on them at the training loop's checks
-(check_unreadable): each is named in one line and skipped (--skip-bad-samples), or every rank stops with
-the way out."""
+"""Samples that do not read (a corrupt, empty or missing file, an image of another shape): the loader passes a
+BadSample in their place, and the ranks agree on them at check_unreadable: skipped, or every rank stops."""
 import os
 import re
 import traceback
@@ -16,13 +14,11 @@ from machinery.output import log
 
 
 class Share(Subset):
-    """A share of a split load_data returned (hold_out): an unreadable sample in it is named by its index
-    in that split, the one the user knows (BadSample)."""
+    """A share of a load_data split (hold_out): a bad sample in it is named by its index in that split."""
 
 
 def first_readable(split, name: str, tries: int = 10) -> tuple:
-    """The first sample of a Dataset that reads, and its index: the one its image shape is taken from (an
-    unreadable one is the loader's to skip or stop on: BadSample). UserError if the first `tries` all fail."""
+    """(sample, index) of the first sample that reads, for the image shape; UserError if the first `tries` fail."""
     for i in range(min(tries, len(split))):
         try:
             return split[i], i
@@ -34,9 +30,8 @@ def first_readable(split, name: str, tries: int = 10) -> tuple:
 
 @dataclass(frozen=True)
 class BadSample:
-    """A sample the loader could not take: its split, index, file (where the Dataset knows it) and why, and
-    the way out; `slot`: its place in the rank's batch. The loader passes it on in place of the sample, and
-    the ranks agree on it at their next check (train_utils.check_unreadable): skipped, or the run stops."""
+    """A sample the loader could not take: split, index, file (if the Dataset knows it), why, and the way out;
+    `slot`: its place in the rank's batch. It stands in for the sample until the next check_unreadable."""
     split: str
     index: int
     file: str | None
@@ -69,9 +64,8 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):
-    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given, or a BadSample saying why not: any
-    exception in reading it (a corrupt, empty or missing file; named with where it was raised), or an image
-    of another shape or type."""
+    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given, else a BadSample saying why: an exception
+    in reading it (with where it was raised), or an image of another shape or type."""
     try:
         image, label = data[idx]
     except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
@@ -87,9 +81,7 @@ def read_sample(data, idx: int, split: str, shape: tuple | None = None):
 
 
 def resize_fix(split, shape: tuple) -> str:
-    """How to give every image of `split` (and of the other split, read alike) the size of `shape` (C, H, W),
-    in the words that fit how load_data reads it: the image-folder reader's size=, a Dataset's transform, or a
-    resize of the tensors load_data builds."""
+    """How to make every image `shape` (C, H, W), in the words of how load_data reads `split` and the other split."""
     while isinstance(split, Subset):
         split = split.dataset
     size = f"({shape[1]}, {shape[2]})"
@@ -103,8 +95,7 @@ def resize_fix(split, shape: tuple) -> str:
 
 
 def sample_file(data, idx: int) -> str | None:
-    """The file behind sample `idx`, where the Dataset lists its files (ImageFolder's `samples`), through
-    any Subset; else None."""
+    """The file behind sample `idx` if the Dataset lists files (ImageFolder's `samples`), through Subsets; else None."""
     while isinstance(data, Subset):
         data, idx = data.dataset, data.indices[idx]
     samples = getattr(data, "samples", None) or getattr(data, "imgs", None)
@@ -124,10 +115,9 @@ def describe_exception(e: Exception) -> str:
 
 
 def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
-    """The ranks agree on the unreadable samples (BadSample) each `found` since the last check: one small
-    all-reduce, and the samples gathered only if there are any. Each is named in the log and its description
-    added to `skipped` (the epoch's so far), up to `limit` in all; past it, or for any test sample (the test
-    set is scored whole), every rank raises UserError naming it and the way out. Empties `found`."""
+    """Collective: the ranks agree on the BadSamples each `found` since the last check (one small all-reduce, a
+    gather only if any). Each is logged and added to `skipped` (this epoch's), up to `limit`; past it, or for a
+    test sample (the test set is scored whole), every rank raises UserError with the way out. Empties `found`."""
     if dist.is_initialized():
         nccl = dist.get_backend() == "nccl"  # NCCL reduces only CUDA tensors: on this rank's GPU (set_device)
         count = torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")

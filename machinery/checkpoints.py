@@ -1,5 +1,4 @@
-"""Checkpoint files: newest first, written whole; the format and its required parts; the newest that loads;
-room for the next. What a resume checks is machinery/resume.py's."""
+"""Checkpoint files: written whole, newest first; the format; the newest that loads; room for the next."""
 from __future__ import annotations
 
 import errno
@@ -13,25 +12,22 @@ from machinery.errors import UserError, WriteError
 from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
 from machinery.output import log
 
-# What a resume does with a flag (machinery/resume.py): the rules of the recipe's table (config.py:
-# RESUME_RULES), which says for each flag one of these, or (one of these, what a checkpoint written before the
-# flag meant).
+# What a resume does with a flag (machinery/resume.py): config.py's RESUME_RULES gives each flag one of these, or
+# (one of these, what a checkpoint written before the flag meant).
 DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
 ANY = object()  # as `before`: any value continues a checkpoint written before the flag
 
 
 def load_checkpoint(path: str, device: torch.device) -> dict:
     try:
-        # weights_only: a checkpoint is data, never code; this refuses pickled objects.
-        return torch.load(path, map_location=device, weights_only=True)
+        return torch.load(path, map_location=device, weights_only=True)  # data, never code: refuses pickled objects
     except Exception as e:
         raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
 def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
-    """The newest checkpoint that loads, and its path; (None, None) if there is none. Unreadable
-    ones (truncated, corrupt, or holding pickled code) are skipped with a warning, and if none can
-    be read the run refuses to start rather than overwrite them."""
+    """The newest checkpoint that loads, and its path; (None, None) if none. Unreadable ones (truncated, corrupt,
+    pickled code) are skipped with a warning; if none reads, UserError rather than overwrite them."""
     problems = []
     for path in checkpoint_paths(out_dir, max(keep, 10)):
         if not os.path.exists(path):
@@ -52,9 +48,8 @@ def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
     return None, None
 
 
-# The format. What every checkpoint holds besides the state the recipe registers (train_utils.Checkpoint:
-# the model, optimizer and scaler, required; what an option adds, optional): where training stands, the
-# config and model it trained, its data's fingerprints, and every rank's RNG states.
+# The format: besides the recipe's registered state (train_utils.Checkpoint), every checkpoint holds where training
+# stands, the config and model it trained, its data's fingerprints, and every rank's RNG states.
 REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
 REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps",
                         "micro_batch", "micro_batch_size", "lr", "device_type")
@@ -66,10 +61,8 @@ OPTIONAL_PROGRESS_KEYS = ("skipped",)
 
 
 def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
-    """Refuse to start when out_dir has no room for `copies` more checkpoints of `objects` (name -> an
-    object with state_dict(): what a checkpoint holds; 2 where an epoch's end may also write best.pt): a
-    run that cannot save would train until its first checkpoint for nothing, and a restart after a full
-    disk would do so again and again."""
+    """WriteError if out_dir lacks room for `copies` more checkpoints of `objects` (name -> object with state_dict();
+    2 where best.pt may also be written): else the run trains to its first save for nothing, again at each restart."""
     need = copies * sum(state_bytes(obj) for obj in objects.values())
     free = shutil.disk_usage(out_dir).free
     if free < need:
@@ -81,9 +74,8 @@ def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
 
 
 def state_bytes(obj) -> int:
-    """The bytes of obj.state_dict()'s tensors. An optimizer makes its state at its first step, so before
-    it the state is measured on a copy of the optimizer stepped once over stand-in parameters of the
-    same shapes on the CPU (Adam's two moments, SGD's momentum, none for plain SGD)."""
+    """The bytes of obj.state_dict()'s tensors. An optimizer makes its state at its first step, so before that it is
+    measured on a copy stepped once over CPU stand-ins of the same shapes (Adam's two moments, SGD's momentum)."""
     if (isinstance(obj, torch.optim.Optimizer)
             and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups)):
         params = [p for g in obj.param_groups for p in g["params"]]
@@ -114,9 +106,8 @@ def tensor_bytes(tree) -> int:
 
 
 def save_checkpoint(out_dir: str, state: dict, keep: int, best: bool = False) -> None:
-    """Write the new checkpoint in full to a temporary file, then shift the older ones down and
-    rename it into place; if `best`, also as best.pt. A crash at any point leaves the previous
-    checkpoints loadable."""
+    """Write `state` to a temporary file, shift the older checkpoints down, rename it in; if `best`, also as best.pt.
+    A crash at any point leaves the previous checkpoints loadable."""
     paths = checkpoint_paths(out_dir, keep)
     for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
         if name.startswith((".checkpoint.", ".best.pt.")) and name.endswith(".tmp"):

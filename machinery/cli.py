@@ -1,5 +1,4 @@
-"""The command line: flags parsed once, a named preset (--recipe) under the explicit flags, the flags
-checked, and the tracebacks a user should not have to read turned into one line."""
+"""The command line: flags parsed once, --recipe's preset under explicit flags, needless tracebacks made one line."""
 from __future__ import annotations
 
 import argparse
@@ -15,15 +14,12 @@ from machinery.output import report_to_launcher
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
-    """Parse the command line, apply --recipe's preset, and run main(args, explicit) (`explicit`: the
-    flags given on the command line), minus the tracebacks a user should not have to
-    read: Ctrl-C before the training loop (which turns later ones into a checkpointed stop), and a hung
-    or dead peer, said in one line on every rank instead of a wall of C++ frames."""
+    """Run main(args, explicit) (`explicit`: the dests given) with --recipe applied; Ctrl-C before the training loop
+    (later, it is a checkpointed stop) and a hung or dead peer are one line on every rank, not a wall of C++ frames."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
     args, explicit = parse_flags(parser, recipes, sys.argv[1:] if argv is None else argv)
     try:
-        # record: an exception not caught here (a bug) leaves its traceback in torchrun's failure report
-        return record(main)(args, explicit)
+        return record(main)(args, explicit)  # a bug's traceback goes into torchrun's failure report
     except KeyboardInterrupt:
         line = f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save"
         print(line, file=sys.stderr, flush=True)
@@ -40,9 +36,7 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
 
 
 def parse_flags(parser, recipes: dict, argv) -> tuple:
-    """The flags, with --recipe NAME's preset (recipes[NAME]: flag dest -> value) under those given on
-    the command line, whatever their order; and the set of dests given on the command line. --help
-    lists the presets and what each sets."""
+    """(flags, dests given), --recipe NAME's preset (recipes[NAME]: dest -> value) under the given flags, any order."""
     class Formatter(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
         """The parser's own, with the epilog's lines kept: one preset per paragraph."""
     parser.formatter_class = Formatter
@@ -73,8 +67,7 @@ def describe_preset(preset: dict) -> str:
 
 
 def parse_once(parser, argv) -> tuple:
-    """(the parsed flags, the dests given on the command line), from one parse: every dest starts as a marker
-    that argparse leaves alone unless the flag is given, and those left get their defaults after."""
+    """(flags, dests given) from one parse: each dest starts as a marker, left alone unless given, then defaulted."""
     unset = object()
     actions = [a for a in parser._actions
                if a.dest is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS]

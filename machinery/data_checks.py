@@ -1,7 +1,4 @@
-"""The checks on data that need no knowledge of the recipe's data contract (dataset_utils.measure_data and
-load_checked_data use them): the classes two splits name (and an image folder's: folder_classes, which
-dataset_utils offers adapters), per-channel statistics from exact integer sums, and whether DataLoader
-workers can start here (their socket's path)."""
+"""Data checks that need no knowledge of the recipe's data contract: classes, channel statistics, worker sockets."""
 import multiprocessing.connection
 import os
 import sys
@@ -16,8 +13,7 @@ SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
 
 
 def check_worker_sockets(workers: int) -> None:
-    """Raise UserError if the loader workers could not start here: their forkserver listens on a Unix socket in
-    the temporary folder (TMPDIR), and a socket's path takes at most SOCKET_PATH_MAX bytes."""
+    """UserError if the loader workers' forkserver socket in TMPDIR would have a path over SOCKET_PATH_MAX bytes."""
     if not workers:
         return
     path = os.fsencode(multiprocessing.connection.arbitrary_address("AF_UNIX"))  # as the forkserver names it
@@ -39,18 +35,15 @@ def stated_classes(split) -> int | None:
 
 
 def class_names(split) -> tuple | None:
-    """The names a split gives its classes, index by index (`classes`, as torchvision's datasets have it), if
-    any."""
+    """The names a split gives its classes, index by index (`classes`, as in torchvision's datasets), if any."""
     names = getattr(split, "classes", None)
     return tuple(map(str, names)) if isinstance(names, (list, tuple)) and len(names) else None
 
 
 def check_same_classes(names, test, source: str) -> None:
-    """UserError unless every class the test split names has the index it has in `names` (the training
-    split's, or the checkpoint's): by its `class_to_idx` where it has one (a split numbered by hand), else by
-    the order of its `classes`. ImageFolder numbers the class folders it finds, in sorted order: a test folder
-    that lacks one, or spells one otherwise, gives every later class's images another class's label, and a
-    good model a bad score, without a word. (A test split that lacks only the last classes shifts nothing.)"""
+    """UserError unless each class the test split names has its index in `names` (the training split's or the
+    checkpoint's), by its `class_to_idx` if any, else by the order of `classes`. ImageFolder numbers the folders it
+    finds, sorted: a missing or misspelled test folder silently relabels every later class (missing last ones don't)."""
     mapping = getattr(test, "class_to_idx", None)
     test_index = ({str(c): i for c, i in mapping.items()} if isinstance(mapping, dict) and mapping else
                   {c: i for i, c in enumerate(class_names(test) or ())})
@@ -73,8 +66,7 @@ def check_same_classes(names, test, source: str) -> None:
 
 
 def channel_stats(images: torch.Tensor) -> tuple:
-    """Per-channel mean and std of uint8 images (N, C, H, W), as fractions of 255. Integer sums are exact,
-    so the result is the same on every rank, whatever its threads."""
+    """Per-channel mean and std of uint8 images (N, C, H, W), as fractions of 255 (exact: mean_std_of_sums)."""
     total = torch.zeros(images.shape[1], dtype=torch.int64)
     squares = torch.zeros_like(total)
     for chunk in images.split(4096):  # int64 copies of 4096 images at a time, not of the whole set
@@ -85,8 +77,8 @@ def channel_stats(images: torch.Tensor) -> tuple:
 
 
 def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> tuple:
-    """Per-channel mean and std, as fractions of 255, from the integer sums of uint8 pixels and of their
-    squares over `count` pixels per channel: exact, so the same on every rank whatever its threads."""
+    """Per-channel mean and std / 255 from the integer sums of pixels and of squares (`count` per channel): exact,
+    so the same on every rank whatever its threads."""
     mean = total.double() / count
     std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
     std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone
@@ -94,9 +86,8 @@ def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> 
 
 
 def folder_classes(root) -> list:
-    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, those that start
-    with "." left out (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the
-    same."""
+    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, less those starting with
+    "." (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same."""
     try:
         names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     except OSError as e:

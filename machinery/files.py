@@ -1,5 +1,4 @@
-"""The run's files: written whole or not at all (atomic writes), by rank 0 with every rank agreeing on
-the outcome (write_on_main), and a failed write said in one line with what is intact and the way out."""
+"""The run's files: atomic writes, rank 0's writes agreed on by every rank, a failed write said in one line."""
 from __future__ import annotations
 
 import datetime
@@ -23,20 +22,18 @@ def write_text(path: str, text: str) -> None:
 
 
 def atomic_write(path: str, write, before_replace=None) -> None:
-    """write(f) into a temporary file beside `path`, synced, then renamed over it (after
-    before_replace()): a crash at any point leaves the old file or the new one, never half of one."""
+    """write(f) into a synced temporary file, renamed over `path` after before_replace(): never half a file."""
     d = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(d, f".{os.path.basename(path)}.{os.urandom(6).hex()}.tmp")
     try:
-        # the umask applies, as to any new file
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any new file
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         if before_replace:
             before_replace()
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one, never half
+        os.replace(tmp, path)  # atomic on POSIX
         fsync_dir(d)
     except BaseException:
         if os.path.exists(tmp):
@@ -81,8 +78,7 @@ def describe_write_failure(e: OSError, what: str, out_dir: str,
                            then: str = "run the same command to resume") -> str:
     """One line for a failed write: what failed, where, the OS's reason, what is intact, the way out."""
     reason = (e.strerror or str(e)).lower()
-    # not one of our temporary files
-    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")
+    named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
     way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
     return (f"{reason} writing {what} in {e.filename if named else out_dir}; {describe_intact(out_dir)}: "
             f"{way_out}, then {then}")
@@ -112,18 +108,15 @@ def describe_intact(out_dir: str) -> str:
 
 def write_on_main(env, write, *, what: str, out_dir: str, lock=None,
                   then: str = "run the same command to resume") -> None:
-    """Rank 0 runs write(), which writes `what` in out_dir; then every rank learns in one collective
-    whether it failed, and all raise the same error and leave together: without this, the others would
-    wait in their next collective for a rank 0 that is gone. With `lock`, nothing is written unless
-    this run still owns out_dir."""
+    """Rank 0 runs write(), writing `what` in out_dir (with `lock`, only while this run owns it). A collective: every
+    rank raises the same error and all leave together, none waiting in a later collective for a rank 0 that is gone."""
     error = try_write(write, what=what, out_dir=out_dir, lock=lock, then=then) if env.is_main else None
     agree_on_error(error)
 
 
 def try_write(write, *, what: str, out_dir: str, lock=None, then: str = "run the same command to resume"):
-    """write(), which writes `what` in out_dir (unless `lock` says another run took it): None, or the
-    UserError that says why it failed (a WriteError naming what is intact and the way out). A failure that
-    is not a write's is a bug: raised, with its traceback."""
+    """write() unless `lock` says another run took out_dir: None, or the UserError why not (a WriteError naming what
+    is intact and the way out). A failure that is not a write's is a bug: raised, with its traceback."""
     try:
         if lock is not None:
             lock.check()
@@ -132,8 +125,7 @@ def try_write(write, *, what: str, out_dir: str, lock=None, then: str = "run the
         return e
     except (OSError, RuntimeError) as e:
         cause = os_error_of(e)
-        # not a failed write (torch.save turns one into a RuntimeError): a bug, with its traceback
-        if cause is None:
+        if cause is None:  # not a failed write (torch.save turns one into a RuntimeError): a bug
             raise
         return WriteError(describe_write_failure(cause, what, out_dir, then))
     return None

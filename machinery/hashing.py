@@ -1,6 +1,4 @@
-"""The hash every random draw of the augmentation takes its bits from: splitmix64 of (seed, epoch, index), the
-same bits from a Python int (the CPU workers, one sample at a time) and from an int64 tensor (a batch on the
-device)."""
+"""splitmix64 of (seed, epoch, index): the hash every random draw of the augmentation takes its bits from."""
 import torch
 
 _M64 = (1 << 64) - 1
@@ -12,9 +10,8 @@ def signed(c: int) -> int:
 
 
 def mix64(seed: int, epoch: int, idx):
-    """splitmix64 of (seed, epoch, index): a well-mixed 64-bit hash that gives each sample its own
-    random crop and flip. `idx` is a Python int (the CPU workers) or an int64 tensor (the device
-    loader): both compute the same bits, so both loaders augment every sample identically."""
+    """A 64-bit hash giving each sample its own crop and flip. `idx` is a Python int (CPU workers) or an int64
+    tensor (device loader): both give the same bits, so both loaders augment every sample identically."""
     if isinstance(idx, torch.Tensor):  # int64 wraps like uint64; mask arithmetic shifts into logical ones
         mul = lambda h, c: h * signed(c)  # noqa: E731
         shr = lambda h, s: (h >> s) & ((1 << (64 - s)) - 1)  # noqa: E731

@@ -1,5 +1,4 @@
-"""Who this process is and how the ranks meet: torchrun's, Slurm's or no launcher's environment, the
-device, the process group, and why a rendezvous failed."""
+"""Who this process is and how ranks meet: launcher env (torchrun, Slurm, none), device, process group, failures."""
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +38,7 @@ class DistEnv:
 
 
 def read_dist_env() -> DistEnv:
-    """Rank and world size from torchrun's environment (or srun's, once adopt_slurm_env has run), or a
-    single process under plain python. Reads only."""
+    """Rank and world size from torchrun's env (or srun's, after adopt_slurm_env), else one process. Reads only."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
@@ -60,12 +58,10 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def read_launcher(device: str) -> DistEnv:
-    """Who this process is, from its launcher: torchrun's RANK, LOCAL_RANK and WORLD_SIZE (srun's tasks adopt
-    torchrun's variables first), and its device (`device`: auto, cuda or cpu; one GPU per LOCAL_RANK)."""
-    # torch's optimizers import torch._dynamo at their first step; imported there, after the process group's
-    # threads started, it aborts the process at its exit now and then ("terminate called without an active
-    # exception"). So import it first; here, not at the top of a module, since a loader worker may import the
-    # script's modules again (machinery/loader_workers.py) and never needs it (a second).
+    """DistEnv from the launcher (srun's env read as torchrun's), on `device`: auto, cuda or cpu (one GPU a rank)."""
+    # torch's optimizers import torch._dynamo at their first step; imported then, after the process group's threads
+    # started, it now and then aborts the process at exit ("terminate called without an active exception"). So import
+    # it first, here: a loader worker may import the script's modules again and never needs it (a second).
     import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
@@ -76,17 +72,15 @@ def read_launcher(device: str) -> DistEnv:
 
 @contextlib.contextmanager
 def rendezvous(env: DistEnv, timeout_s: float):
-    """Around init_process_group: yields the keywords it needs besides backend and timeout ({}, or under a
-    torchrun restart a fresh store namespace with this rank and the world size); a failed meeting (a
-    timeout, an unreachable address) becomes one line (RendezvousError); once met, each rank notes its host
-    in the store, so that a later timeout can name the host of a rank that never came."""
+    """Around init_process_group: yields its keywords besides backend and timeout ({}, or under a torchrun restart a
+    fresh store namespace with rank and world size). A failed meeting (timeout, unreachable address) becomes a
+    RendezvousError line; once met, each rank notes its host in the store, so a later timeout can name a missing one."""
     store = {}
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across --max-restarts, so restarted ranks would read the dead
-        # ranks' gloo addresses (or NCCL id) and wait for them forever: a fresh namespace per attempt.
-        # The attempt count is each agent's own, so this is exact on one node only; with several
-        # agents, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, see below).
+        # torchrun keeps one store across --max-restarts: restarted ranks would read the dead ranks' gloo addresses
+        # (or NCCL id) and wait forever, so a fresh namespace per attempt. The count is per agent, so exact on one
+        # node only; with several, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, below).
         store = {"store": dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
                      os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=timeout_s))),
@@ -108,8 +102,7 @@ def rendezvous(env: DistEnv, timeout_s: float):
 
 
 def gather_ranks(env: DistEnv) -> list:
-    """Every rank's host, its address on the way to the rendezvous, the rendezvous address as it
-    resolved here, and its device, indexed by rank: the node count, and run.json's record."""
+    """A collective: each rank's host, device, route and resolved rendezvous address, by rank (node count, run.json)."""
     master = master_address()
     return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
                        "address": route_source(master) if master else None, "master_address": master,
@@ -117,9 +110,8 @@ def gather_ranks(env: DistEnv) -> list:
 
 
 def adopt_slurm_env() -> None:
-    """Write an srun step's variables into os.environ as torchrun's, so init_process_group("env://") works.
-    The master is the allocation's first node; the port is derived from the job id, so that two
-    jobs sharing a node do not collide."""
+    """Write an srun step's variables into os.environ as torchrun's, for init_process_group("env://"). The master is
+    the allocation's first node; the port comes from the job id, so two jobs sharing a node do not collide."""
     env = os.environ
     env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
@@ -137,8 +129,7 @@ def adopt_slurm_env() -> None:
 
 
 def default_workers(env: DistEnv) -> int:
-    """DataLoader workers per rank for --workers -1: the rank's share of the CPUs it may use, at most
-    8. torchrun's ranks share their CPUs; srun's tasks (jobs/srun_direct.sh) each have their own."""
+    """Loader workers per rank for --workers -1: its share of usable CPUs (srun's tasks own theirs), at most 8."""
     cpus = len(os.sched_getaffinity(0))
     return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
 
@@ -149,8 +140,7 @@ def host_name() -> str:
 
 
 def route_source(ip: str) -> str | None:
-    """The local address this node's traffic to `ip` leaves from, so the interface it leaves by (a UDP
-    connect sends nothing). None if there is no route."""
+    """The local address (so interface) traffic to `ip` leaves from; a UDP connect sends nothing. None: no route."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -161,8 +151,7 @@ def route_source(ip: str) -> str | None:
 
 
 def master_address() -> str | None:
-    """MASTER_ADDR as it resolves on this node: the address this rank met the others at. None for a
-    single process."""
+    """MASTER_ADDR as resolved here: where this rank met the others. None for a single process."""
     try:
         return socket.gethostbyname(os.environ["MASTER_ADDR"]) if "MASTER_ADDR" in os.environ else None
     except OSError:

@@ -13,15 +13,12 @@ from machinery.output import log
 
 
 class OutDirLock:
-    """The out-dir belongs to one run at a time: rank 0 holds `run.lock` while it trains.
+    """The out-dir belongs to one run at a time: rank 0 holds `run.lock`, touched every HEARTBEAT_S seconds.
 
-    The file names its owner (host, process, Slurm job) and is touched every HEARTBEAT_S seconds.
-    A second run refuses to start while the owner lives. The lock never outlives its owner: it is
-    taken over when the owner's process is gone (same host), when it is an earlier run of the same
-    Slurm job or torchrun (a requeue, a restart: those end the old run first), or when its
-    heartbeat is older than STALE_S (its node died). It is created with link(2), which is atomic
-    on NFS, Lustre and GPFS too, and the owner re-reads it before each checkpoint, so even a lock
-    taken over by mistake cannot let two runs write one checkpoint."""
+    A second run refuses while the owner lives, and takes over when the owner's process is gone (same host), was an
+    earlier run of the same Slurm job or torchrun (a requeue or restart ends it first), or has no heartbeat for STALE_S
+    (its node died). link(2) is atomic on NFS, Lustre and GPFS too, and the owner re-reads the lock before each
+    checkpoint, so even a mistaken takeover cannot let two runs write one checkpoint."""
     NAME, HEARTBEAT_S, STALE_S = "run.lock", 10.0, 60.0
 
     def __init__(self, out_dir: str):
@@ -74,8 +71,7 @@ class OutDirLock:
         if holder and holder.get("token") == self.me["token"]:
             try:
                 os.unlink(self.path)
-            # a filesystem turned read-only: the next run takes the lock over (its owner is gone)
-            except OSError:
+            except OSError:  # a filesystem turned read-only: the next run takes the lock over (its owner is gone)
                 pass
 
     def _beat(self) -> None:
@@ -88,8 +84,7 @@ class OutDirLock:
                 pass
 
     def _read(self, age: bool = False):
-        """The owner's record, and with `age` the seconds since its last heartbeat by the filesystem's
-        clock (the nodes' clocks may differ from the file server's)."""
+        """The owner's record and, with `age`, its heartbeat's age by the file server's clock (a node's may differ)."""
         try:
             with open(self.path) as f:
                 holder, mtime = json.load(f), os.fstat(f.fileno()).st_mtime
@@ -129,7 +124,7 @@ class OutDirLock:
         except (OSError, ValueError):
             moved = None
         if holder and moved and moved.get("token") != holder.get("token"):
-            try:  # we moved a fresh lock that another run had just taken: give it back
+            try:  # moved a fresh lock that another run had just taken: give it back
                 os.link(aside, self.path)
             except FileExistsError:
                 pass
@@ -137,9 +132,8 @@ class OutDirLock:
 
 
 def process_start(pid: int):
-    """The process's start time (clock ticks since boot), or None if there is no such process: with the pid,
-    it names a process even after the pid is reused. A zombie is none: it has exited, and only waits for its
-    parent (or init, after a kill -9 of the launcher too) to read its status."""
+    """The process's start time (clock ticks since boot), naming it with the pid even after pid reuse; None if there
+    is no such process or it is a zombie (exited, waiting for its parent, or init after a kill -9, to reap it)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -162,8 +156,7 @@ def describe_owner(holder) -> str:
 
 
 def lock_out_dir(out_dir: str, env: DistEnv):
-    """Rank 0 checks that --out-dir is writable and takes it for this run; every rank raises the
-    UserError that says why not. Returns the OutDirLock on rank 0, None on the others."""
+    """Rank 0 checks --out-dir is writable and locks it, or every rank raises why not; the lock on rank 0, else None."""
     def check_and_acquire():
         check_writable(out_dir)
         try:

@@ -3,14 +3,12 @@ import os
 
 
 def is_main_process() -> bool:
-    """Rank 0, or the only process: from the launcher's environment (torchrun's RANK, or srun's
-    SLURM_PROCID before the entry point adopts it), read without changing anything."""
+    """Rank 0 or the only process, by torchrun's RANK or srun's SLURM_PROCID (before the entry point adopts it)."""
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def log(*args, **kwargs) -> None:
-    """print on rank 0 only, flushed, so logs are not multiplied by the world size. Rank 0 is known
-    before the process group exists, so argparse's errors are said once too."""
+    """print on rank 0 only, flushed; rank 0 is known before the process group, so argparse's errors are said once."""
     if is_main_process():
         print(*args, **kwargs, flush=True)
 
@@ -29,11 +27,9 @@ def describe_span(seconds: float) -> str:
 
 
 def report_to_launcher(line: str) -> None:
-    """Leave the line this rank ends with (a refusal, a failure, a stop) where torchrun looks for a failed
-    rank's reason: the file TORCHELASTIC_ERROR_FILE names (one per rank; a job script may set one for the whole
-    job). torchrun's failure report then shows it as the root cause's `traceback`, instead of <N/A>, and copies
-    it into its own TORCHELASTIC_ERROR_FILE. The format is torch.distributed.elastic's error file's, with the
-    line where a traceback would go. Nothing without the variable; a file that cannot be written is skipped."""
+    """Leave this rank's last line (a refusal, failure, stop) in TORCHELASTIC_ERROR_FILE (per rank, or per job if a
+    script sets it), in torch.distributed.elastic's error file format, so torchrun's failure report shows it as the
+    root cause's `traceback`, not <N/A>. Nothing without the variable; a file that cannot be written is skipped."""
     import json
     import time
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -1,5 +1,4 @@
-"""The run's records: the run's files (config.json, metrics.jsonl, run.json, summary.json, TensorBoard,
-eval.json) and the original script's summary lines."""
+"""The run's files (config.json, metrics.jsonl, run.json, summary.json, TensorBoard, eval.json) and summary lines."""
 from __future__ import annotations
 
 import datetime
@@ -17,8 +16,7 @@ from machinery.output import describe_span, log
 
 
 def describe_run_eta(done: int, epochs: int, seconds_per_epoch: float) -> str:
-    """`Run: 3 of 100 epochs done; about 1 h 31 min left (ends about 14:05) at this session's pace`: an
-    epoch's wall time here, its evaluation, checkpoint and records included, times the epochs left."""
+    """`Run: 3 of 100 epochs done; about 1 h 31 min left (ends about 14:05) at this session's pace`."""
     left_s = (epochs - done) * seconds_per_epoch
     span = describe_span(left_s)
     ends = datetime.datetime.now() + datetime.timedelta(seconds=left_s)
@@ -28,11 +26,9 @@ def describe_run_eta(done: int, epochs: int, seconds_per_epoch: float) -> str:
 
 
 class RunFiles:
-    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends
-    every rank with one line): config.json, metrics.jsonl (a row per epoch, rewritten whole from the
-    checkpoint's history at each start and epoch, so it never holds a partial line or an epoch that
-    trains again), run.json, TensorBoard; at the end summary.json, and the original script's summary lines.
-    Made by every rank (it gathers each rank's host and device for run.json)."""
+    """The run's files, written by rank 0 and agreed on by all ranks (write_on_main: a failed write ends every rank
+    with one line). metrics.jsonl is rewritten whole from the checkpoint's history at each start and epoch: never a
+    partial line or an epoch that trains again. Made by every rank (it gathers hosts and devices for run.json)."""
 
     def __init__(self, cfg, env: DistEnv, data, *, history: list, lock):
         config = {**cfg.to_dict(), "data": data.source, "data_spec": asdict(data.spec)}
@@ -89,9 +85,7 @@ class RunFiles:
             "stopped_early": progress.stopped_early,
             "best_val_acc": max((m["val_acc"] for m in history), default=0.0),
             "final_val_acc": history[-1]["val_acc"] if history else 0.0, "n_train": n_train, "n_test": n_test,
-            # The test set's accuracy after the last epoch, as papers report it (without --val-size: the same
-            # as final_val_acc, as the original script scores the test set); with --val-size, also the test
-            # accuracy of the epoch that best.pt holds, the one the validation split selects.
+            # the test accuracy after the last epoch, as papers report it (without --val-size: final_val_acc, same set)
             "final_test_acc": history[-1].get("test_acc", history[-1]["val_acc"]) if history else 0.0,
             "config": self.config,
         }

@@ -1,6 +1,4 @@
-"""What each training step leaves behind (StepLog): rank 0's progress lines, where each rank's time goes,
-the ranks' figures side by side at each epoch's end and the one line naming a rank that holds the others
-back (find_slow_rank), and --profile's traces (machinery/profiler.py)."""
+"""StepLog: rank 0's progress lines, each rank's time by phase, the slow-rank line, --profile's traces (profiler.py)."""
 from __future__ import annotations
 
 import statistics
@@ -22,19 +20,14 @@ PHASES = {
     "optimizer": "in the optimizer step",  # the update, the grad scaler, the BatchNorm buffers kept
     "other": "in the loop's bookkeeping",  # the LR, progress lines; a mid-epoch checkpoint counts as sync
 }
-# A rank is named when its own time per step (all but sync, which is waiting for others) exceeds the median
-# of the other ranks' by more than this. Below 10% the whole job loses less than a tenth of its speed to it,
-# and ranks of one job differ by a few percent from epoch to epoch anyway (the OS, the data's decoding, the
-# network).
+# A rank is named when its own time per step (all but sync) exceeds the other ranks' median by more than this:
+# below 10% it costs the job under a tenth of its speed, and ranks differ by a few percent per epoch anyway.
 SLOW_RANK_THRESHOLD = 0.10
-# ... and only when that costs the job at least this many seconds an epoch: a few tens of milliseconds in a
-# short CPU epoch are noise the user cannot act on.
-SLOW_RANK_FLOOR_S = 1.0
+SLOW_RANK_FLOOR_S = 1.0  # ... and by at least this many seconds an epoch: less is noise the user cannot act on
 
 
 class Clock:
-    """Marks in time, read later: on CUDA an event recorded in the stream (no host sync, so the GPU's
-    time), on CPU the wall clock. StepLog's clock, and bench.py's."""
+    """Time marks (StepLog's, bench.py's): a CUDA event in the stream (no host sync: GPU time), else perf_counter."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -55,13 +48,9 @@ class Clock:
 
 
 class StepLog:
-    """What each training step leaves behind: rank 0's progress lines, and this rank's split of its time into
-    PHASES (mark(phase) ends that phase now), compared across ranks at the epoch's end (finish_epoch). Cheap:
-    on CPU a mark reads perf_counter; on CUDA it records an event in the stream, and the events are read at
-    the epoch's end (no device synchronisation per step), so the split is of the GPU's time, and a GPU that
-    idles for want of data shows it as data. watch_ddp(ddp_model) times DDP's gradient all-reduce (it
-    overlaps backward: what follows its last bucket's launch is sync). `profile_dir`: --profile's traces
-    (machinery/profiler.py)."""
+    """Rank 0's progress lines and this rank's split of its time into PHASES (mark(phase) ends that phase now),
+    compared across ranks by finish_epoch. CUDA marks are read at the epoch's end (no sync per step), so the split
+    is GPU time: a GPU idle for want of data shows it as data. `profile_dir`: --profile's traces."""
 
     def __init__(self, every: int, device: torch.device, *, timed: bool = True,
                  profile_dir: str | None = None, epochs: int = 0):
@@ -116,8 +105,7 @@ class StepLog:
             self.profiler.finish()  # an epoch shorter than the window: what it recorded, not its evaluation
 
     def watch_ddp(self, ddp_model) -> None:
-        """DDP's own all-reduce (allreduce_hook is its default, in Python), with the time each bucket is
-        handed to it noted: the last one's is when backward's computation ended on this rank."""
+        """Wrap DDP's default all-reduce (allreduce_hook): the last bucket's hand-off ends backward's compute."""
         def timed_allreduce(process_group, bucket):
             self.last_bucket = self.now()
             return allreduce_hook(process_group, bucket)
@@ -136,9 +124,8 @@ class StepLog:
         return split
 
     def finish_epoch(self, rank: int) -> dict:
-        """Every rank's split per step, side by side (a collective, at the epoch's end), the line naming a
-        rank that held the others back, if one did, and on CUDA the peak memory: fields for the epoch's
-        row of metrics.jsonl."""
+        """A collective at the epoch's end: every rank's split per step, the slow-rank line if any, and on CUDA the
+        peak memory; fields for the epoch's row of metrics.jsonl."""
         split = self.seconds()
         mine = {"rank": rank, "host": host_name(), "steps": self.steps,
                 "step_s": sum(split.values()) / max(self.steps, 1),
@@ -158,8 +145,7 @@ class StepLog:
 
 
 class ProgressLines:
-    """Rank 0's progress inside an epoch: a live line on a terminal, or one line every `every`
-    steps in a batch log (no TTY). Reading the loss syncs rank 0 with its GPU, so only then."""
+    """Rank 0's progress in an epoch: a live line on a terminal, else a line every `every` steps (no TTY)."""
 
     def __init__(self, every: int, epochs: int = 0):
         self.epochs, self.trained_until, self.between_s = epochs, None, 0.0  # between: evaluation, checkpoint
@@ -174,16 +160,14 @@ class ProgressLines:
         return self.is_main and self.every > 0 and (step % self.every == 0 or not self.shown)
 
     def start(self) -> None:
-        """An epoch's training starts: what came between it and the last one's (its evaluation, checkpoint and
-        records) counts in the run's ETA."""
+        """An epoch starts: the time since the last one's training (evaluation, checkpoint) counts in the run ETA."""
         if self.trained_until is not None:
             self.between_s = time.perf_counter() - self.trained_until
         self.base = None
 
     def show(self, epoch: int, step: int, steps: int, images: float, loss: float, elapsed: float) -> None:
-        """The line. Its pace, and so its ETA, counts from the end of the epoch's first step here (a resumed
-        epoch: its first step since the resume), which carries the start-up (the loader's workers, cuDNN's
-        search, a compile): on the first step's own line, no ETA yet."""
+        """The line. Its pace and ETA count from the end of the epoch's first step here (since a resume), which
+        carries the start-up (workers, cuDNN's search, a compile), so that step's own line has no ETA."""
         self.shown = True
         line = f"  epoch {epoch} step {step}/{steps} | "
         if self.base is None or step <= self.base[0]:
@@ -216,9 +200,8 @@ class ProgressLines:
 
 def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD,
                    floor_s: float = SLOW_RANK_FLOOR_S) -> str | None:
-    """The line naming the rank whose own time per step (all but waiting on the others) exceeds the median
-    of the other ranks' by more than `threshold` (with two ranks: the other's) and by `floor_s` over the
-    epoch's steps, and the phase that makes most of the difference, or None."""
+    """The line naming the rank whose own time per step (all but sync) exceeds the other ranks' median (with two:
+    the other's) by more than `threshold` and by `floor_s` over the epoch, and its costliest phase; else None."""
     if len(ranks) < 2 or not all(r["steps"] for r in ranks):
         return None
     own = [r["step_s"] - r["sync_s"] for r in ranks]
