@@ -39,11 +39,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 allow_abbrev=False)  # --epoch is a typo to name, not --epochs to guess
     g = p.add_argument_group("the original script's flags")  # their meaning kept
-    g.add_argument("--batch-size", type=int, default=512,
-                   help="global batch size, split evenly over all ranks")
+    g.add_argument("--batch-size", type=int, default=512, help="global batch size, split evenly over all ranks")
     g.add_argument("--epochs", type=int, default=5, help="number of epochs to train")
-    g.add_argument("--base-lr", type=float, default=0.01,
-                   help="LR for a global batch of --reference-batch-size")
+    g.add_argument("--base-lr", type=float, default=0.01, help="LR for a global batch of --reference-batch-size")
     g.add_argument("--target-accuracy", type=float, default=0.85,
                    help="validation accuracy (fraction) for early stopping")
     g.add_argument("--patience", type=int, default=2,
@@ -55,10 +53,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
                    help="synthetic: learnable, no download")
-    g.add_argument("--data-dir", default="./datasets",
-                   help="where cifar-100-python.tar.gz is, or is downloaded to")
-    g.add_argument("--train-size", type=int, default=0,
-                   help="use only the first N training samples (0: all)")
+    g.add_argument("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
+    g.add_argument("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
     g.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
     g.add_argument("--loader", choices=["auto", "gpu", "torch"], default="auto",
                    help="gpu: data kept on the device (the CPU without CUDA); torch: DataLoader workers; "
@@ -70,19 +66,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimisation and schedule")
     g.add_argument("--micro-batch", type=int, default=None,
                    help="most samples per forward on a rank, more by accumulation")
-    g.add_argument("--reference-batch-size", type=int, default=512,
-                   help="the global batch --base-lr was tuned for")
+    g.add_argument("--reference-batch-size", type=int, default=512, help="the global batch --base-lr was tuned for")
     g.add_argument("--lr-scaling", choices=["linear", "sqrt", "none"], default="linear",
                    help="LR rule for the batch's ratio")
     g.add_argument("--lr-schedule", choices=["cosine", "step", "constant"], default="cosine",
                    help="after warm-up: cosine to 0, x0.2 steps at 30/60/80%%, or constant")
     g.add_argument("--warmup-epochs", type=float, default=1.0, help="linear LR warm-up from ~0, in epochs")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False,
-                   help="Nesterov momentum")
+    g.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=False, help="Nesterov momentum")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
-    g.add_argument("--label-smoothing", type=float, default=0.0,
-                   help="label smoothing of the training loss")
+    g.add_argument("--label-smoothing", type=float, default=0.0, help="label smoothing of the training loss")
     g.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
     g.add_argument("--find-unused-parameters", action="store_true",
@@ -115,14 +108,12 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="a named preset (below); flags given win over it")
     g.add_argument("--out-dir", default="./runs/wrn",
                    help="checkpoints, metrics and summary; a checkpoint here is resumed")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seed for the weights, the data order and augmentation")
+    g.add_argument("--seed", type=int, default=0, help="seed for the weights, the data order and augmentation")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: CUDA if available, else CPU")
     g.add_argument("--amp", choices=["auto", "fp16", "bf16", "off"], default="auto",
                    help="mixed precision; auto: bf16 on GPUs")
-    g.add_argument("--timeout", type=float, default=600,
-                   help="seconds before a hung collective or rendezvous fails")
+    g.add_argument("--timeout", type=float, default=600, help="seconds before a hung collective or rendezvous fails")
     g.add_argument("--log-every", type=int, default=50, help="a progress line every N steps (0: none)")
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps (0: at epoch ends only)")
@@ -131,16 +122,14 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="end this run after that epoch, to resume later (0: never)")
     g.add_argument("--evaluate", action="store_true",
                    help="score the checkpoint in --out-dir on its test set, and exit")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (slower start, faster steps)")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="also log the epoch metrics to out-dir/tensorboard")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    g.add_argument("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
     g.add_argument("--profile", action="store_true",
                    help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
     return p
 
 
-# What a resume does with each flag (machinery/checkpoints.py: checkpoint_flags reads this table):
+# What a resume does with each flag (machinery/resume.py: checkpoint_flags reads this table):
 #   DATA    what the checkpoint trained on: a run on other data must not continue it (refused);
 #   MODEL   what fixes the model's shapes: checked against the checkpoint's model_config (refused);
 #   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);

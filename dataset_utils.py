@@ -2,11 +2,9 @@
 learnable synthetic data: load_split; image folders: image_folder), the DDP sampler (EpochSampler), the loaders.
 Images stay uint8 until they reach the device: loader workers only crop and flip, and `Normalize` runs on the
 device, which keeps the CPU cost per image tiny (it matters on clusters with few cores per GPU). Augmentation is a
-pure function of (seed, epoch, sample index): the same for any number of ranks or workers, resumed or not.
-"""
+pure function of (seed, epoch, sample index): the same for any number of ranks or workers, resumed or not."""
 import functools
 import hashlib
-import math
 import numbers
 import pickle
 from dataclasses import dataclass, replace
@@ -14,12 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from machinery.bad_samples import BadSample, Share, check_unreadable, first_readable, read_sample, resize_fix
-from machinery.data_checks import (channel_stats, check_same_classes, check_worker_sockets, class_names,
-                                   folder_classes, mean_std_of_sums, stated_classes)
+from machinery.data_checks import channel_stats, check_same_classes, class_names, mean_std_of_sums, stated_classes
 from machinery.errors import UserError, call_and_agree
-from machinery.loader_workers import worker_context
-from machinery.signals import deaf_to_stop_signals, stop_signals_held
 from transforms import crop_flip, crop_flip_batch, crop_padding, mix64, pad_images, signed
 
 # CIFAR-100's classes and its training set's per-channel statistics.
@@ -81,21 +75,10 @@ def read_cifar100(data_dir: str, train: bool) -> ImageData:
 
 
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
-    """Learnable images of CIFAR-100's shape and dtype: each class has its own colour and grating (the same in both
-    splits), each image its own noise. For smoke runs, which then show learning, and for benchmarks."""
-    classes = torch.Generator().manual_seed(1234)  # the class patterns: one set for train and test
-    colour = torch.empty(CIFAR100_CLASSES, 3, 1, 1).uniform_(50, 205, generator=classes)
-    freq = torch.randint(1, 4, (CIFAR100_CLASSES, 2, 1, 1), generator=classes).float()
-    phase = torch.empty(CIFAR100_CLASSES, 1, 1).uniform_(0, 2 * math.pi, generator=classes)
-    yy, xx = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
-    grating = torch.sin(2 * math.pi * (freq[:, 0] * xx + freq[:, 1] * yy) / 32 + phase)  # (classes, 32, 32)
-    patterns = colour + 45 * grating[:, None]
-    g = torch.Generator().manual_seed(seed * 2 + int(train))
-    labels = torch.randint(0, CIFAR100_CLASSES, (n,), dtype=torch.int64, generator=g)
-    images = torch.empty(n, 3, 32, 32, dtype=torch.uint8)
-    for chunk in torch.arange(n).split(8192):  # in chunks: 50,000 float images would take 600 MB
-        noise = torch.randn(len(chunk), 3, 32, 32, generator=g) * 24
-        images[chunk] = (patterns[labels[chunk]] + noise).round_().clamp_(0, 255).to(torch.uint8)
+    """Learnable images of CIFAR-100's shape and dtype (machinery/synthetic.py): for smoke runs, which then show
+    learning, and for benchmarks."""
+    from machinery.synthetic import learnable_images
+    images, labels = learnable_images(n, train, seed=seed, num_classes=CIFAR100_CLASSES)
     return ImageData(images, labels, num_classes=CIFAR100_CLASSES,
                      source="synthetic (learnable, of CIFAR-100's shape)")
 
@@ -115,6 +98,13 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
 
 
 # ------------------------------------------------------------------ image folders, for a load_data of your own
+
+def folder_classes(root) -> list:
+    """The classes of an image folder root/<class>/<image>, sorted, hidden ones left out: give them to image_folder
+    for both splits, so that labels mean the same (machinery/image_folders.py)."""
+    from machinery.image_folders import folder_classes as classes_of
+    return classes_of(root)
+
 
 def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None):
     """A split of image files, root/<class>/<image>: machinery/image_folders.py's ImageFolderSplit, torchvision's
@@ -153,6 +143,7 @@ def measure_data(train, test) -> DataSpec:
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape != shape:
+        from machinery.bad_samples import resize_fix
         fix = (f"give both {shape[0]} channels in load_data" if test_shape[0] != shape[0] else
                f"give the test images the training images' size: {resize_fix(test, shape)}")
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test "
@@ -222,6 +213,7 @@ def loader_device(cfg, env, *splits):
     """data_device, agreed by every rank; for DataLoader workers (None), also the check that they can start here."""
     device = call_and_agree(data_device, cfg.loader, env.device, *splits)
     if device is None:
+        from machinery.loader_workers import check_worker_sockets
         call_and_agree(check_worker_sockets, cfg.num_workers)
     return device
 
@@ -246,6 +238,7 @@ def hold_out(train, size: int) -> tuple:
     if isinstance(train, ImageData):
         return (replace(train, images=train.images[kept], labels=train.labels[kept]),
                 replace(train, images=train.images[held], labels=train.labels[held]))
+    from machinery.bad_samples import Share  # a share whose unreadable samples are named by their index in `train`
     return Share(train, kept.tolist()), Share(train, held.tolist())
 
 
@@ -267,6 +260,7 @@ def check_split(split, name: str) -> tuple:
                         f"dataset_utils.ImageData, or a Dataset of (uint8 C x H x W tensor, label)")
     if len(split) == 0:
         raise UserError(f"load_data's {name} split is empty")
+    from machinery.bad_samples import first_readable  # a Dataset's samples may not read: machinery/bad_samples.py
     item, first = first_readable(split, name)
     image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
     integer_label = isinstance(label, numbers.Integral) or (
@@ -301,11 +295,12 @@ def fingerprint(data) -> str:
         h.update(data.labels.numpy().tobytes())
         h.update(data.images.contiguous().numpy().data)
     else:
+        from machinery.bad_samples import read_sample
         if getattr(data, "targets", None) is not None:
             h.update(torch.as_tensor(data.targets, dtype=torch.int64).numpy().tobytes())
         for i in sorted({0, len(data) - 1}):
             item = read_sample(data, i, "")
-            if isinstance(item, BadSample):  # unreadable: the kind of failure stands for it (no line numbers)
+            if not isinstance(item, tuple):  # a BadSample: the kind of failure stands for it (no line numbers)
                 h.update(item.reason.split(":", 1)[0].encode())
             else:
                 h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
@@ -313,15 +308,14 @@ def fingerprint(data) -> str:
 
 
 class EpochSampler:
-    """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys.
-
-    The epoch's order is randperm(seed + epoch), as in DistributedSampler. Global step s covers positions
-    [s * batch, (s + 1) * batch) of it whatever the world size, so `set_epoch(epoch, start=p)` resumes with exactly
-    the samples the epoch has not seen, even on another number of ranks or batch size. A step's positions are dealt
-    to world_size x accum_steps virtual ranks (deal_step), so W ranks x A micro-steps train on exactly the
-    micro-batches W x A ranks would; each step yields this rank's A micro-batches back to back, and `step_split`
-    says where they part. Nothing is padded or dropped: the short last step is dealt the same way (some
-    micro-batches a sample smaller, or empty), so every rank takes the same number of steps."""
+    """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys. The epoch's order is
+    randperm(seed + epoch), as in DistributedSampler. Global step s covers positions [s * batch, (s + 1) * batch) of it
+    whatever the world size, so `set_epoch(epoch, start=p)` resumes with exactly the samples the epoch has not seen,
+    even on another number of ranks or batch size. A step's positions are dealt to world_size x accum_steps virtual
+    ranks (deal_step), so W ranks x A micro-steps train on exactly the micro-batches W x A ranks would; each step yields
+    this rank's A micro-batches back to back, and `step_split` says where they part. Nothing is padded or dropped: the
+    short last step is dealt the same way (some micro-batches a sample smaller, or empty), so every rank takes the same
+    number of steps."""
 
     def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
                  seed: int = 0):
@@ -375,6 +369,9 @@ class ImageDataset(Dataset):
     def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
         self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
         self.in_memory = isinstance(data, ImageData)
+        if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
+            from machinery.bad_samples import first_readable, read_sample
+            self.read_sample = read_sample
         self.image_shape = (tuple(data.images.shape[1:]) if self.in_memory else
                             tuple(first_readable(data, split)[0][0].shape))
         self.pad = crop_padding(*self.image_shape[1:])
@@ -389,18 +386,16 @@ class ImageDataset(Dataset):
         if self.in_memory:
             image, label = self.images[idx], self.data.labels[idx]
         else:
-            item = read_sample(self.data, idx, self.split, self.image_shape)
-            if isinstance(item, BadSample):
+            item = self.read_sample(self.data, idx, self.split, self.image_shape)
+            if not isinstance(item, tuple):  # a BadSample
                 return item
             image, label = item
-            # int64 once collated
-            image, label = pad_images(image, self.pad) if self.augment else image, int(label)
+            image, label = pad_images(image, self.pad) if self.augment else image, int(label)  # int64 once collated
         if not self.augment:
             return image, label
         h = mix64(self.seed, epoch, idx)
         image = crop_flip(image, h, self.pad)
-        # augment_ops.Augment comes in the collate, on the batch
-        if self.extra is not None and self.extra.active:
+        if self.extra is not None and self.extra.active:  # augment_ops.Augment comes in the collate, on the batch
             return image, label, signed(h)
         return image, label
 
@@ -419,8 +414,8 @@ def _collate(shape, batch, extra=None):
     """(images, labels, unreadable): the samples that read, collated (empty tensors if none did, or the rank has
     none left in the last step), and the BadSamples in their slots. Items that carry their hash get `extra`
     (augment_ops.Augment) here, batched: the same bits as one by one."""
-    unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if isinstance(b, BadSample)]
-    good = [b for b in batch if not isinstance(b, BadSample)]
+    unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if not isinstance(b, tuple)]  # BadSamples
+    good = [b for b in batch if isinstance(b, tuple)]  # a sample that read: (image, label[, hash])
     if not good:
         return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), unreadable
     if len(good[0]) == 3:
@@ -473,10 +468,12 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
     """The workers start from a forkserver (machinery/loader_workers.py), so a Dataset must be top-level."""
-    return dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
-                generator=torch.Generator().manual_seed(seed),
-                worker_init_fn=deaf_to_stop_signals if workers else None,
-                multiprocessing_context=worker_context() if workers else None)
+    options = dict(num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+                   generator=torch.Generator().manual_seed(seed))
+    if workers:  # they ignore the stop signals: the rank decides when to stop (machinery/loader_workers.py)
+        from machinery.loader_workers import deaf_to_stop_signals, worker_context
+        options.update(worker_init_fn=deaf_to_stop_signals, multiprocessing_context=worker_context())
+    return options
 
 
 class AgreedLoader:
@@ -497,10 +494,9 @@ class AgreedLoader:
         return self.batch_sampler.step_split(position, skipped=self.gaps)
 
     def __iter__(self):
+        from machinery.loader_workers import stop_signals_held  # a stop signal sent to all reaches the rank alone
         try:
-            # a stop signal sent to every process reaches the rank alone (signals.py)
-            with stop_signals_held():
-                # starts the workers (once: they persist), which get the Dataset pickled
+            with stop_signals_held():  # starts the workers (once: they persist), which get the Dataset pickled
                 batches = iter(self.loader)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             if "pickle" not in str(e):
@@ -511,13 +507,17 @@ class AgreedLoader:
         for step, (images, labels, unreadable) in enumerate(batches):
             self.gaps = unreadable
             self.found += unreadable
-            if self.mix is not None and self.mix.active:
-                images, labels = mix_step(self, step, images, labels)
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (augment_ops.Mix)
+                images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
         self.check()
 
     def check(self) -> None:
-        """The ranks agree on the samples found unreadable since the last check: a collective."""
+        """The ranks agree on the samples found unreadable since the last check: a collective, but for data held in
+        memory (on every rank alike), which all read."""
+        if self.loader.dataset.in_memory:
+            return
+        from machinery.bad_samples import check_unreadable
         skipped = self.batch_sampler.skipped if self.batch_sampler else []
         check_unreadable(self.found, skipped=skipped, limit=self.limit if self.batch_sampler else 0)
 
@@ -552,8 +552,7 @@ class DeviceLoader:
             for idx in self.indices.split(self.batch_size):
                 yield self.images[idx], self.labels[idx]
             return
-        # The epoch's whole order goes to the device at once: one copy, not one per step.
-        steps = list(self.sampler)
+        steps = list(self.sampler)  # the epoch's whole order goes to the device at once: one copy, not one per step
         order = torch.tensor([i for keys in steps for _, i in keys], dtype=torch.int64).to(self.images.device)
         h = mix64(self.seed, self.sampler.epoch, order)
         sizes = [len(keys) for keys in steps]
@@ -561,18 +560,9 @@ class DeviceLoader:
             images, labels = crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
             if self.extra is not None:  # TrivialAugment, random erasing: the same hash, batched
                 images = self.extra(images, hs)
-            if self.mix is not None and self.mix.active:
-                images, labels = mix_step(self, step, images, labels)
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (augment_ops.Mix)
+                images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
-
-
-def mix_step(loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
-    """The training loader's `step`-th batch of this pass through its augment_ops.Mix: mixup/cutmix within each
-    micro-batch (step_split's, unread samples left out), soft targets."""
-    sampler = loader.batch_sampler
-    position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
-    _, micro_sizes = loader.step_split(position)
-    return loader.mix(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
 
 
 class Normalize(torch.nn.Module):

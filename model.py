@@ -1,12 +1,9 @@
 """Wide Residual Network (Zagoruyko & Komodakis, 2016, https://arxiv.org/abs/1605.07146).
 
-WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with
-16k, 32k and 64k channels. This is the CIFAR variant of the paper's reference
-code: BN-ReLU before each 3x3 conv, optional dropout between the two convs, and a
-1x1 projection shortcut wherever the block changes the shape.
-
-ADAPT: to train your own network, replace `build_model` and `model_config` in train_ddp.py;
-nothing else in the training script depends on this file, but for the checks of its flags below.
+WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with 16k, 32k and 64k channels: the CIFAR
+variant of the paper's reference code (BN-ReLU before each 3x3 conv, optional dropout between the two convs, a 1x1
+projection shortcut wherever the block changes the shape). ADAPT: for your own network, replace `build_model` and
+`model_config` in train_ddp.py; nothing else in the training script depends on this file but its flags' checks.
 """
 import argparse
 
@@ -48,8 +45,7 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(out_planes)
         self.conv2 = nn.Conv2d(out_planes, out_planes, 3, stride=1, padding=1, bias=False)
         self.dropout = dropout
-        # The projection sees the pre-activated input, as in the paper's code.
-        self.shortcut = None
+        self.shortcut = None  # the projection sees the pre-activated input, as in the paper's code
         if stride != 1 or in_planes != out_planes:
             self.shortcut = nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False)
 

@@ -4,14 +4,12 @@
     torchrun --standalone --nproc_per_node=4 train_ddp.py             # one node, 4 GPUs
     sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 
-The same file runs under plain python and under torchrun: the launcher's environment (RANK, LOCAL_RANK,
-WORLD_SIZE) says whether this is one process of many. On CUDA each process drives the GPU of its LOCAL_RANK
-with NCCL; without CUDA it runs on CPU with gloo. Its flags and named presets (--recipe) are in config.py.
-Read it top to bottom: the two places marked ADAPT, where your model and data go (the data describe
-themselves: channels, size, classes, mean and std, and the model, the normalisation and the augmentation
-follow); then the DDP story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps
-the model in DDP and loops over the epochs. For a task other than classification, also change loss_fn and the
-metrics in evaluate().
+One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
+process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU with gloo. Flags and presets
+(--recipe): config.py. Read top to bottom: the places marked ADAPT, where your model and data go (the data describe
+themselves; the model, normalisation and augmentation follow; a task other than classification also changes loss_fn
+and evaluate's metrics); then the DDP story: train_step, train_one_epoch, evaluate, and train(), which sets the run
+up, wraps the model in DDP and loops over the epochs.
 """
 import datetime
 import functools
@@ -28,8 +26,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import dataset_utils
 import train_utils as utils
-# the flags, their checks, the run's config
-from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config
+from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config  # the flags, the run's config
 from model import WideResNet
 
 
@@ -92,13 +89,11 @@ def build_training(cfg, env, data) -> Training:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
-    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch):
-    # each rank its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r,
-    # r + W, ...
+    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each rank
+    # its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r, r + W, ...
     train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env)
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
-    # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step,
-    # cfg.ema_decay).
+    # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step, cfg.ema_decay).
     ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)
            if cfg.model_ema else None)
     return Training(model, optimizer, scaler, loss_fn, normalize, train_loader, test_loader, val_loader,
@@ -229,10 +224,8 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
             if tta:
                 logits = (logits + model(images.flip(3))) / 2
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        # is the k-th best guess right?
-        hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]
-        # on the device: no sync
-        batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)
+        hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
+        batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
         sums += torch.stack([loss.double(), hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
                              batch_count])
     if dist.is_initialized():
@@ -267,9 +260,8 @@ def train(cfg, env, found, lock) -> int:
     step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
                              epochs=cfg.epochs)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
-        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm
-        # running statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads
-        # them needs it.
+        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
+        # statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads them needs it.
         model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
                     gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
                     **utils.NO_FORWARD_BUFFER_SYNC)
@@ -324,10 +316,8 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     training = build_training(cfg, env, data)
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec),
                                   model=training.model)
-    # what it scores, if any
-    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")
-    # the weights (and the model it must be) only: nothing else registered
-    progress = checkpoint.restore(found)
+    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")  # what it scores, if any
+    progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
     scores_ema = training.ema is not None and bool(training.ema.n_averaged)
     model = training.ema.module if scores_ema else training.model
     model = torch.compile(model, dynamic=False) if cfg.compile else model
@@ -382,5 +372,4 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    # flags and --recipe; Ctrl-C, dead peers in a line
-    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))
+    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line

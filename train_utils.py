@@ -49,8 +49,7 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     if schedule == "constant":
         return 1.0
     if schedule == "step":
-        # 1e-9: 0.8 * 7 is 5.6000000000000005
-        return 0.2 ** sum(start >= m * epochs - 1e-9 for m in (0.3, 0.6, 0.8))
+        return 0.2 ** sum(start >= m * epochs - 1e-9 for m in (0.3, 0.6, 0.8))  # 1e-9: 0.8 * 7 is 5.6000000000000005
     progress = (start - warmup_epochs) / max(epochs - warmup_epochs, 1e-9)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -86,9 +85,9 @@ def mean_loss(sums) -> float:
 
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
                grad_norm: torch.Tensor | None = None):
-    """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's, from its summed loss over n samples and the
-    number it predicted `correct`ly, or a step's clipped gradient norm, counted on rank 0 alone (every rank
-    has the same norm, and the sums are all-reduced). Device tensors only: nothing waits for the GPU."""
+    """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's summed loss over n samples and its `correct` count,
+    or a step's gradient norm, counted on rank 0 alone (all ranks have it; the sums are all-reduced). Device tensors
+    only: nothing waits for the GPU."""
     value = loss_sum if grad_norm is None else grad_norm
     finite = torch.isfinite(value).double()
     kept = torch.where(finite > 0, value.double(), 0.0)
@@ -101,9 +100,9 @@ def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: tor
 
 
 class LossCheck:
-    """Whether the training loss went NaN or infinite on any rank, from the epoch's sums (EPOCH_SUMS). Without
-    a grad scaler any such sample stops the run; with fp16's (`allow_nonfinite`), which skips the odd
-    overflowing step, only divergence does: most samples non-finite since the previous check."""
+    """Whether the training loss went NaN or infinite on any rank, from the epoch's sums (EPOCH_SUMS): any such
+    sample stops the run, or with fp16's grad scaler (`allow_nonfinite`), which skips the odd overflowing step, only
+    divergence does: most samples non-finite since the previous check."""
 
     def __init__(self, device: torch.device, *, allow_nonfinite: bool):
         self.device, self.allow_nonfinite, self.previous = device, allow_nonfinite, None
@@ -134,10 +133,9 @@ class LossCheck:
 
 
 def check_parameters_used(model) -> None:
-    """After a step's backward under DDP (without find_unused_parameters): raise UserError on every rank,
-    naming them, if parameters got no gradient (an auxiliary head, a branch not taken): DDP would otherwise
-    fail at the next forward ("Expected to have finished reduction in the prior iteration"), in a traceback
-    per rank. A collective."""
+    """A collective, after a step's backward under DDP (without find_unused_parameters): UserError on every rank,
+    naming them, if parameters got no gradient (an auxiliary head, a branch not taken); DDP would fail at the next
+    forward instead ("Expected to have finished reduction in the prior iteration"), in a traceback per rank."""
     ddp = getattr(model, "_orig_mod", model)
     if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
         return
@@ -191,8 +189,7 @@ class Progress:
         metrics = {"epoch": epoch, "train_loss": sums["loss_sum"] / max(sums["finite_samples"], 1),
                    "train_acc": sums["correct"] / max(count, 1), "train_samples": int(count), **val, "lr": lr,
                    "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s}
-        # fp16: samples whose loss was not finite, in steps the scaler skipped
-        if sums["finite_samples"] < count:
+        if sums["finite_samples"] < count:  # fp16: samples whose loss was not finite, in steps the scaler skipped
             metrics["nonfinite_samples"] = int(count - sums["finite_samples"])
         # --clip-grad-norm: the mean norm before clipping, and the steps with a non-finite one
         if sums["norm_steps"]:
@@ -200,8 +197,7 @@ class Progress:
             metrics["nonfinite_grad_steps"] = int(sums["norm_steps"] - sums["finite_norm_steps"])
         if cfg.model_ema:
             metrics["scored"] = "model_ema"  # the test (and validation) metrics are the weight EMA's
-        # unreadable, skipped (--skip-bad-samples); named in the log
-        metrics["skipped_samples"] = len(self.skipped)
+        metrics["skipped_samples"] = len(self.skipped)  # unreadable, skipped (--skip-bad-samples), named in the log
         metrics.update(timing)
         self.history.append(metrics)
         self.epoch, self.position, self.step = epoch, 0, 0
@@ -279,7 +275,7 @@ class Checkpoint:
                 from machinery.init_weights import load_initial_weights
                 log(call_and_agree(load_initial_weights, self.required["model"], self.cfg.init_from))
             return Progress()
-        from machinery.resume import check_format, check_same_model
+        from machinery.resume import check_format, check_same_model, note_resume_changes
         ckpt, cfg, env = found.ckpt, self.cfg, self.env
         check_format(ckpt, found.path, required=self.required)  # all it must hold, or one line
         check_same_model(found, self.model_config)  # the model this run builds, or one line
@@ -293,8 +289,7 @@ class Checkpoint:
                 start_absent()
                 log(f"note: {found.path} holds no {name} (written before it was added): {when_absent}")
         saved, progress = ckpt["config"], Progress(**ckpt["progress"])
-        # a checkpoint from before the gradient norm
-        progress.sums += [0.0] * (len(EPOCH_SUMS) - len(progress.sums))
+        progress.sums += [0.0] * (len(EPOCH_SUMS) - len(progress.sums))  # a checkpoint from before the gradient norm
         if not cfg.evaluate:
             note_resume_changes(saved, cfg, progress)
         progress.step = -(-progress.position // cfg.batch_size)
@@ -333,22 +328,6 @@ class Checkpoint:
             error = try_write(lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
                               what=what, out_dir=out_dir, lock=self.lock)
         agree_on_error(error)  # every rank learns whether it worked: if not, all leave together, in one line
-
-
-def note_resume_changes(saved: dict, cfg: RunConfig, progress: Progress) -> None:
-    """The notes a resumed run's log opens with: what changed in the batch and the LR."""
-    if saved["lr"] != cfg.lr:
-        log(f"note: the peak LR changed from {saved['lr']:.4g} to {cfg.lr:.4g} on resume")
-    if saved["batch_size"] != cfg.batch_size:
-        log(f"note: the global batch changed from {saved['batch_size']} to {cfg.batch_size} on resume: the "
-            f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample "
-            f"{progress.position})")
-    before = (saved["world_size"], saved["accumulation_steps"], saved["micro_batch_size"])
-    if before != (cfg.world_size, cfg.accumulation_steps, cfg.micro_batch_size):
-        same = "the same global batch" if saved["batch_size"] == cfg.batch_size else "another global batch"
-        log(f"note: {before[0]} ranks x {before[1]} accumulation steps x {before[2]} before, "
-            f"{cfg.world_size} x {cfg.accumulation_steps} x {cfg.micro_batch_size} now: {same} "
-            f"({saved['batch_size']} before, {cfg.batch_size} now)")
 
 
 # ------------------------------------------------------------------------- the original script's lines
@@ -396,8 +375,7 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
     that sends the schedule's LR back up (`ckpt`: the checkpoint resumed, if any)."""
     notes = []
     if ckpt is not None and ckpt["config"]["epochs"] != cfg.epochs and cfg.lr_schedule != "constant":
-        # epochs done, the run's length so far
-        at, before = ckpt["progress"]["epoch"], ckpt["config"]["epochs"]
+        at, before = ckpt["progress"]["epoch"], ckpt["config"]["epochs"]  # epochs done, the run's length so far
 
         def lr(epochs):
             return cfg.lr * lr_factor(at, at, epochs=epochs, warmup_epochs=cfg.warmup_epochs,

@@ -208,6 +208,14 @@ class Mix:
             out_targets.append(t)
         return torch.cat(out_images), torch.cat(out_targets)
 
+    def mix_step(self, loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """The training loader's `step`-th batch of this pass, mixed within each micro-batch (the loader's
+        step_split: unread samples left out), with soft targets."""
+        sampler = loader.batch_sampler
+        position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
+        _, micro_sizes = loader.step_split(position)
+        return self(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
+
     def mix_one(self, x: torch.Tensor, t: torch.Tensor, rng) -> tuple:
         cutmix = self.cutmix_alpha > 0 and (self.mixup_alpha <= 0 or rng.random() < 0.5)
         lam = float(rng.beta(*[self.cutmix_alpha if cutmix else self.mixup_alpha] * 2))

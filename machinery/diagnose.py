@@ -1,6 +1,7 @@
 """One line for what went wrong where a traceback would say it badly: a collective that timed out or lost a
 peer (describe_comm_failure, naming the ranks that never came), a rendezvous that failed
-(describe_init_failure), a mistyped flag (refuse_flags). Imported only when it happens."""
+(describe_init_failure), a mistyped flag (refuse_flags), test classes numbered otherwise. Imported only when it
+happens."""
 import datetime
 import difflib
 import os
@@ -119,3 +120,20 @@ def guess_flags(flag: str, known: list) -> str:
     alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
     names = alike + [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}" if names else ""
+
+
+def describe_class_mismatch(index: dict, test_index: dict, source: str) -> str:
+    """The line for a test split whose classes (name -> index) are not `source`'s (data_checks.check_same_classes)."""
+    lacks, extra = [c for c in index if c not in test_index], [c for c in test_index if c not in index]
+
+    def listed(classes):
+        return ", ".join(map(repr, classes[:3])) + (f" and {len(classes) - 3} more" if len(classes) > 3
+                                                    else "")
+    found = [f"lacks {listed(lacks)}"] if lacks else []
+    found += [f"has {listed(extra)}, which {source} lacks"] if extra else []
+    what = " and ".join(found) if found else "numbers the same classes otherwise"
+    fix = ("rename or remove the test split's class folders that training lacks" if extra and not lacks else
+           "fix the folder names, or number the test split by the training classes: "
+           "dataset_utils.image_folder(path, classes=...) (README, Adapt it)")
+    return (f"the test split's classes are not {source}'s: it {what}, so its labels would name other "
+            f"classes (ImageFolder numbers the class folders it finds); {fix}")

@@ -11,9 +11,22 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.functional import pil_to_tensor
 
-from machinery.data_checks import folder_classes
 from machinery.errors import UserError
 from machinery.output import log
+
+
+def folder_classes(root) -> list:
+    """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, less those starting with
+    "." (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same."""
+    try:
+        names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot read the image folder {root} ({e.strerror}): --data-dir must hold train/ "
+                        f"and test/, each with one folder of images per class") from None
+    if not names:
+        raise UserError(f"the image folder {root} holds no class folders: it needs one folder of images per "
+                        f"class, {root}/<class>/<image>")
+    return names
 
 
 class ImageFolderSplit(ImageFolder):

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +62,7 @@ def read_launcher(device: str) -> DistEnv:
     # it first, here: a loader worker may import the script's modules again and never needs it (a second).
     import torch._dynamo  # noqa: F401
     if "RANK" not in os.environ and int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        from machinery.launcher_env import adopt_slurm_env
         adopt_slurm_env()  # `srun python train_ddp.py`: one task per GPU, no torchrun
     env = read_dist_env()
     env.device = pick_device(device, env.local_rank)
@@ -76,21 +75,9 @@ def rendezvous(env: DistEnv, timeout_s: float):
     fresh store namespace with rank and world size). A failed meeting (timeout, unreachable address) becomes a
     RendezvousError line; once met, each rank notes its host in the store, so a later timeout can name a missing one."""
     store = {}
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across --max-restarts: restarted ranks would read the dead ranks' gloo addresses
-        # (or NCCL id) and wait forever, so a fresh namespace per attempt. The count is per agent, so exact on one
-        # node only; with several, torchrun must not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, below).
-        store = {"store": dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
-                     os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=datetime.timedelta(seconds=timeout_s))),
-                 "rank": env.rank, "world_size": env.world_size}
-        if (env.is_main and env.world_size > env.local_world_size
-                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))):
-            print("warning: torchrun shares its rendezvous store with the ranks, so a restart or a node "
-                  "joining can hang the other nodes (pytorch/pytorch#135712); export "
-                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun, as jobs/multinode.sh does",
-                  file=sys.stderr, flush=True)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        from machinery.launcher_env import restart_store  # torchrun keeps one store across --max-restarts
+        store = restart_store(env, timeout_s)
     try:
         yield store
     except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
@@ -107,25 +94,6 @@ def gather_ranks(env: DistEnv) -> list:
     return all_gather({"rank": env.rank, "local_rank": env.local_rank, "host": host_name(),
                        "address": route_source(master) if master else None, "master_address": master,
                        "device": torch.cuda.get_device_name(env.device) if env.cuda else "cpu"})
-
-
-def adopt_slurm_env() -> None:
-    """Write an srun step's variables into os.environ as torchrun's, for init_process_group("env://"). The master is
-    the allocation's first node; the port comes from the job id, so two jobs sharing a node do not collide."""
-    env = os.environ
-    env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_STEP_NUM_TASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env["LOCAL_WORLD_SIZE"] = env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0]
-    if "MASTER_ADDR" not in env:
-        import subprocess
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
-        try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
-                                 check=True, timeout=30).stdout.split()
-            env["MASTER_ADDR"] = out[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
 
 
 def default_workers(env: DistEnv) -> int:

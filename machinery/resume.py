@@ -11,6 +11,7 @@ import torch
 from machinery.checkpoints import (ANY, DATA, NOTED, RECIPE, REQUIRED_CONFIG_KEYS, REQUIRED_KEYS,
                                    REQUIRED_PROGRESS_KEYS)
 from machinery.errors import UserError
+from machinery.output import log
 
 
 def check_format(ckpt, path: str, required=()) -> None:
@@ -158,3 +159,19 @@ def describe_model(cfg: dict) -> str:
     """A model_config in words: its "name" (else its keys and values), and its classes."""
     name = cfg.get("name") or ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "num_classes")
     return f"{name} with {cfg['num_classes']} classes" if "num_classes" in cfg else name
+
+
+def note_resume_changes(saved: dict, cfg, progress) -> None:
+    """The notes a resumed run's log opens with: what changed in the batch and the LR."""
+    if saved["lr"] != cfg.lr:
+        log(f"note: the peak LR changed from {saved['lr']:.4g} to {cfg.lr:.4g} on resume")
+    if saved["batch_size"] != cfg.batch_size:
+        log(f"note: the global batch changed from {saved['batch_size']} to {cfg.batch_size} on resume: the "
+            f"schedule keeps its place in samples (epoch {progress.epoch + 1} resumes at sample "
+            f"{progress.position})")
+    before = (saved["world_size"], saved["accumulation_steps"], saved["micro_batch_size"])
+    if before != (cfg.world_size, cfg.accumulation_steps, cfg.micro_batch_size):
+        same = "the same global batch" if saved["batch_size"] == cfg.batch_size else "another global batch"
+        log(f"note: {before[0]} ranks x {before[1]} accumulation steps x {before[2]} before, "
+            f"{cfg.world_size} x {cfg.accumulation_steps} x {cfg.micro_batch_size} now: {same} "
+            f"({saved['batch_size']} before, {cfg.batch_size} now)")

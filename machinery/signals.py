@@ -1,13 +1,10 @@
-"""Signals: the training loop's checkpointed stop (StopRequest) and the loader workers that must outlive it
-(deaf_to_stop_signals). The tools' immediate one-line exit is machinery/tool_exit.py's."""
+"""Signals: the training loop's checkpointed stop (StopRequest). The loader workers that must outlive a stop
+signal are machinery/loader_workers.py's; the tools' immediate one-line exit is machinery/tool_exit.py's."""
 from __future__ import annotations
 
-import atexit
 import contextlib
-import multiprocessing
 import os
 import signal
-from multiprocessing import resource_tracker
 
 import torch
 
@@ -74,52 +71,6 @@ class StopRequest:
         """One small all-reduce: True on every rank if any rank was asked to stop."""
         flag = torch.full((), float(self.requested_here()), device=device)
         return bool(all_reduce_max(flag).item())
-
-
-# ---------------------------------------------------------------- the loader workers
-# Slurm, `timeout`, container runtimes and terminals signal every process of a run; a loader worker killed so takes
-# its rank down ("DataLoader worker ... is killed by signal") before it checkpoints. So workers ignore the stop
-# signals (the rank stops them once saved) and start with them held: one sent at start-up is neither fatal nor lost.
-
-
-@contextlib.contextmanager
-def stop_signals_held():
-    """Around worker starts: the stop signals held in this thread (other threads take them, or they wait for the
-    block's end); workers are born holding them until deaf_to_stop_signals. Registers end_workers_at_exit."""
-    if end_workers_at_exit not in _registered:
-        _registered.append(end_workers_at_exit)
-        atexit.register(end_workers_at_exit)  # after multiprocessing's own exit handler, so it runs before it
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        # The first worker's forkserver starts the resource tracker, whose start unblocks SIGINT and SIGTERM here:
-        # start it first (born holding SIGUSR1 too), then hold them again. The forkserver and its workers inherit them.
-        resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-_registered = []
-
-
-def end_workers_at_exit() -> None:
-    """At exit, SIGKILL loader workers still up (their loader not freed, e.g. in a cycle), without torch's "worker
-    killed" error: multiprocessing's exit handler would SIGTERM them, which they ignore, and wait for ever."""
-    children = multiprocessing.active_children()
-    if children:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in children:
-        child.kill()
-    for child in children:
-        child.join(timeout=5)
-
-
-def deaf_to_stop_signals(worker_id: int = 0) -> None:
-    """A loader worker's worker_init_fn: ignore the stop signals, then unblock them (those held are discarded)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def quiet_resource_tracker() -> None:

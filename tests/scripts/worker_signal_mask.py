@@ -8,6 +8,7 @@ import json
 from torch.utils.data import DataLoader, Dataset
 
 import dataset_utils as du
+from machinery.loader_workers import deaf_to_stop_signals, stop_signals_held
 from machinery.signals import STOP_SIGNALS
 
 
@@ -31,13 +32,13 @@ def first(batch):
 
 def born_holding(worker_id: int) -> None:  # runs before the project's worker_init_fn
     Report.born = status_mask("SigBlk")
-    du.deaf_to_stop_signals(worker_id)
+    deaf_to_stop_signals(worker_id)
 
 
 if __name__ == "__main__":
     context = du._loader_options(1, pin_memory=False)["multiprocessing_context"]  # the project's loaders'
     loader = DataLoader(Report(), num_workers=1, worker_init_fn=born_holding, multiprocessing_context=context,
                         collate_fn=first)
-    with du.stop_signals_held():
+    with stop_signals_held():
         batches = iter(loader)
     print(next(batches), flush=True)

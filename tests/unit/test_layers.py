@@ -3,6 +3,8 @@ core module and no tool; the tools sit above both; and no module imports itself 
 import counts: at the top, inside a function, or in a module __getattr__."""
 import ast
 import os
+import subprocess
+import sys
 
 from support import ROOT
 
@@ -87,3 +89,22 @@ def test_the_layer_checks_find_a_planted_upward_import_and_a_cycle():
     planted = {**graph, "machinery.errors": graph["machinery.errors"] | {"dataset_utils"}}
     assert find_cycle(planted)  # dataset_utils imports machinery.errors
     assert top("dataset_utils") in CORE
+
+
+CLOSURE_MAX_LINES = 3200  # what a copier takes along: the project's modules that `import train_ddp` loads
+
+
+def test_importing_the_recipe_loads_at_most_3200_lines_of_the_project():
+    """`import train_ddp` loads the core and the machinery it always needs; what only some runs need (a resume,
+    CIFAR-100's files, --profile, --init-from, the modern recipe's ops, DataLoader workers, a failure's explanation)
+    loads when that run needs it."""
+    code = ("import os, sys; import train_ddp; root = os.getcwd(); "
+            "files = sorted(m.__file__ for m in list(sys.modules.values()) "
+            "if os.path.isabs(getattr(m, '__file__', None) or '') and os.path.dirname(m.__file__) in "
+            "(root, os.path.join(root, 'machinery'))); "
+            "print(sum(sum(1 for _ in open(f)) for f in files)); print(*files, sep='\\n')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout.split("\n")
+    lines, files = int(out[0]), [os.path.relpath(f, ROOT) for f in out[1:] if f]
+    assert "train_ddp.py" in files and "machinery/errors.py" in files  # what it counts
+    assert lines <= CLOSURE_MAX_LINES, files

@@ -8,7 +8,7 @@ import torch
 
 import dataset_utils as du
 import support
-from machinery import data_checks
+from machinery import loader_workers
 from support import index_images, loaders_both_ways
 
 
@@ -126,17 +126,17 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
             except OSError:
                 return False
     longest = next(size for size in range(len(str(tmp_path)) + 2, 200) if not binds(size)) - 1
-    assert longest == data_checks.SOCKET_PATH_MAX
+    assert longest == loader_workers.SOCKET_PATH_MAX
     # The name multiprocessing gives the socket in its folder (listener-XXXXXXXX, or sock-XXXXXXXX on newer
     # Pythons), measured as the check measures it.
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/t")
     name = len(multiprocessing.connection.arbitrary_address("AF_UNIX")) - len("/t")
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: folder_of(longest - name))
-    data_checks.check_worker_sockets(1)
+    loader_workers.check_worker_sockets(1)
     too_long = folder_of(longest + 1 - name)
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: too_long)
     with pytest.raises(UserError) as refused:
-        data_checks.check_worker_sockets(2)
+        loader_workers.check_worker_sockets(2)
     tmpdir = os.path.dirname(too_long)
     assert str(refused.value) == (
         f"the temporary folder {tmpdir} (TMPDIR, {len(tmpdir)} bytes) is too long a path for the DataLoader "
@@ -147,7 +147,7 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
     def looked():
         raise AssertionError("looked for the socket's folder without workers")
     monkeypatch.setattr(multiprocessing.util, "get_temp_dir", looked)
-    data_checks.check_worker_sockets(0)
+    loader_workers.check_worker_sockets(0)
 
 
 def test_loader_workers_are_forked_from_a_forkserver_that_has_imported_torch(monkeypatch):
