@@ -265,7 +265,7 @@ def train(cfg, env, found, lock) -> int:
         model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
                     gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
                     **utils.NO_FORWARD_BUFFER_SYNC)
-        step_log.watch_ddp(model)  # DDP's all-reduce, timed; parameters left out of the loss said in a line
+        step_log.watch_ddp(model)  # DDP's all-reduce, timed: computing and waiting apart in the step's time split
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = torch.compile(model, dynamic=False), torch.compile(eval_model, dynamic=False)
 

@@ -26,8 +26,7 @@ def fetch_cifar100(data_dir: str) -> None:
     to a private temporary folder and are renamed into place, so processes on several nodes
     that share data_dir never see a half-written file.
     """
-    # torchvision's helpers, imported here: every rank imports this module, and so may each of its loader
-    # workers (machinery/loader_workers.py); torchvision's import costs each a second
+    # torchvision's helpers, imported when called: torchvision's import costs a process a second
     from torchvision.datasets.utils import check_integrity, extract_archive
     folder = os.path.join(data_dir, CIFAR100_FOLDER)
     if all(os.path.isfile(os.path.join(folder, f)) for f in ("train", "test", "meta")):
