@@ -369,11 +369,12 @@ class ImageDataset(Dataset):
     def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
         self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
         self.in_memory = isinstance(data, ImageData)
-        if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
+        if self.in_memory:
+            self.image_shape = tuple(data.images.shape[1:])
+        else:  # the workers read it: a sample that does not read comes as a BadSample
             from machinery.bad_samples import first_readable, read_sample
             self.read_sample = read_sample
-        self.image_shape = (tuple(data.images.shape[1:]) if self.in_memory else
-                            tuple(first_readable(data, split)[0][0].shape))
+            self.image_shape = tuple(first_readable(data, split)[0][0].shape)
         self.pad = crop_padding(*self.image_shape[1:])
         if self.in_memory:  # padded once, up front
             self.images = pad_images(data.images, self.pad) if augment else data.images
