@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import dataset_utils as du
+from machinery.loader_workers import deaf_to_stop_signals, stop_signals_held
 from machinery.timing import Clock
 
 
@@ -34,15 +35,20 @@ class PILSet(torch.utils.data.Dataset):
 
 def original_batches(data, per_rank_batch, env, workers, device):
     """The original script's input pipeline: PIL images through torchvision transforms in DataLoader
-    workers. Closing the generator shuts the workers down."""
+    workers. Closing the generator shuts the workers down. The workers are born holding the stop signals and
+    then ignore them, as the recipe's are: a Ctrl-C to the process group while one starts would otherwise print
+    its traceback; the tool's stop handler ends them."""
     from torch.utils.data import DataLoader, DistributedSampler
     dataset = PILSet(data, original_transform())
     sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank)
     loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler, num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=workers > 0, drop_last=True)
+                        pin_memory=device.type == "cuda", persistent_workers=workers > 0, drop_last=True,
+                        worker_init_fn=deaf_to_stop_signals if workers else None)
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
-        for images, labels in loader:
+        with stop_signals_held():  # the workers start here (once: persistent_workers)
+            batches = iter(loader)
+        for images, labels in batches:
             yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
 

@@ -108,6 +108,40 @@ def test_loader_workers_are_born_holding_the_stop_signals_then_ignore_them_and_e
     assert sorted(report["born_holding"]) == sorted(report["ignores"]) == sorted(int(s) for s in SIGNALS)
 
 
+ORIGINAL_WORKERS = """
+import json, multiprocessing, os, signal, types
+import torch
+multiprocessing.set_start_method("fork")  # DataLoader's default on Linux before Python 3.14, the one forked here
+from machinery.signals import STOP_SIGNALS
+from tools.original_script import original_batches
+born = os.pipe()
+def report():  # in each forked worker, before anything of multiprocessing's or torch's runs
+    held = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    os.write(born[1], (json.dumps(held) + "\\n").encode())
+os.register_at_fork(after_in_child=report)
+data = types.SimpleNamespace(images=torch.zeros(8, 3, 32, 32, dtype=torch.uint8), labels=torch.zeros(8).long())
+env = types.SimpleNamespace(world_size=1, rank=0)
+batches = original_batches(data, 2, env, 2, torch.device("cpu"))
+next(batches)
+batches.close()
+lines = b""
+while lines.count(b"\\n") < 2:  # each worker writes once, maybe after its start() returned here
+    lines += os.read(born[0], 1 << 16)
+masks = [json.loads(line) for line in lines.decode().splitlines()]
+stop = {int(s) for s in STOP_SIGNALS}
+print(json.dumps({"workers": len(masks), "born_holding": [sorted(set(m) & stop) for m in masks]}))
+"""
+
+
+def test_the_original_pipelines_workers_bench_times_are_born_holding_the_stop_signals():
+    """bench.py --compare-original's DataLoader workers (the fork start method) take the recipe's guard: a Ctrl-C
+    to the process group while one is forking must not reach its Python (a KeyboardInterrupt traceback)."""
+    proc = subprocess.run([sys.executable, "-c", ORIGINAL_WORKERS], cwd=ROOT, timeout=120, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": python_path(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["workers"] == 2 and report["born_holding"] == [sorted(int(s) for s in SIGNALS)] * 2, report
+
 LEAVING = """
 import os, signal, sys
 import torch.distributed as dist
