@@ -142,6 +142,7 @@ def test_the_original_pipelines_workers_bench_times_are_born_holding_the_stop_si
     report = json.loads(proc.stdout.splitlines()[-1])
     assert report["workers"] == 2 and report["born_holding"] == [sorted(int(s) for s in SIGNALS)] * 2, report
 
+
 LEAVING = """
 import os, signal, sys
 import torch.distributed as dist
