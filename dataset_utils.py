@@ -1,20 +1,18 @@
 """The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100 or
 learnable synthetic data: load_split; image folders: image_folder), the DDP sampler (EpochSampler), the loaders.
-Images stay uint8 until they reach the device: loader workers only crop and flip, and `Normalize` runs on the
-device, which keeps the CPU cost per image tiny (it matters on clusters with few cores per GPU). Augmentation is a
-pure function of (seed, epoch, sample index): the same for any number of ranks or workers, resumed or not."""
+Images stay uint8 until they reach the device, where `Normalize` runs: the loader workers only read and augment
+them (it matters on clusters with few cores per GPU). Each image's augmentation draws from a seed of (seed, epoch,
+sample index) (transforms.py): the same for any number of ranks or workers, resumed or not."""
 import functools
-import hashlib
 import numbers
-import pickle
 from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from machinery.data_checks import channel_stats, check_same_classes, class_names, mean_std_of_sums, stated_classes
+from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from transforms import crop_flip, crop_flip_batch, crop_padding, mix64, pad_images, signed
+from transforms import Mix, crop_flip_batch, crop_padding, image_seed, mix64, seeded
 
 # CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -117,21 +115,9 @@ def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None
 
 def mean_std(split, samples: int = 2000) -> tuple:
     """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
-    sums over `samples` images spread evenly (0: all), so every rank gets the same numbers; unreadable ones skipped."""
-    n = len(split)
-    picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
-    total = squares = count = 0
-    for i in picked:
-        try:
-            x = split[i][0].to(torch.int64)
-        except Exception:  # noqa: BLE001 - the loader names unreadable samples when it meets them
-            continue
-        total, squares, count = (total + x.sum(dim=(1, 2)), squares + (x * x).sum(dim=(1, 2)),
-                                 count + x[0].numel())
-    if not count:
-        raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
-                        f"cannot compute their mean and std")
-    return mean_std_of_sums(total, squares, count)
+    sums over `samples` images spread evenly (0: all), the same on every rank (machinery/image_folders.py)."""
+    from machinery.image_folders import mean_std as stats_of
+    return stats_of(split, samples)
 
 
 # ------------------------------------------------------------------ what load_data returned, checked
@@ -182,6 +168,7 @@ class CheckedData:
     device: object  # where the loaders keep the data: a torch.device, or None for DataLoader workers
     val: object = None  # --val-size: the training samples held out to validate on (hold_out)
     source: str = ""  # what load_data returned and where from, for the records (describe_source)
+    draws: str = ""  # where the training augmentation draws from (build_loaders), kept in checkpoints
 
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
@@ -197,6 +184,7 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
         spec = DataSpec(**found.ckpt["config"]["data_spec"])
         call_and_agree(check_same_classes, spec.classes, test_data, "the checkpoint's training split")
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
+    from machinery.resume import fingerprint  # a short hash of the samples, kept in checkpoints
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     if found is not None and found.ckpt is not None:  # never continue on other data
         from machinery.resume import check_same_data
@@ -287,26 +275,6 @@ def count_classes(train, test) -> int:
     return max(highest) + 1
 
 
-def fingerprint(data) -> str:
-    """A short hash of the samples (0.2 s for CIFAR-100's 150 MB), stored in checkpoints: a resume on other data is
-    refused, whatever the flags or data dir say. A Dataset (not read whole): its `targets`, first and last samples."""
-    h = hashlib.blake2b(digest_size=8)
-    if isinstance(data, ImageData):
-        h.update(data.labels.numpy().tobytes())
-        h.update(data.images.contiguous().numpy().data)
-    else:
-        from machinery.bad_samples import read_sample
-        if getattr(data, "targets", None) is not None:
-            h.update(torch.as_tensor(data.targets, dtype=torch.int64).numpy().tobytes())
-        for i in sorted({0, len(data) - 1}):
-            item = read_sample(data, i, "")
-            if not isinstance(item, tuple):  # a BadSample: the kind of failure stands for it (no line numbers)
-                h.update(item.reason.split(":", 1)[0].encode())
-            else:
-                h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
-    return f"{len(data)}:{h.hexdigest()}"
-
-
 class EpochSampler:
     """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys. The epoch's order is
     randperm(seed + epoch), as in DistributedSampler. Global step s covers positions [s * batch, (s + 1) * batch) of it
@@ -362,12 +330,13 @@ def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -
 
 
 class ImageDataset(Dataset):
-    """A split for the DataLoader (`split`: "training" or "test"): ImageData, or a Dataset the workers read, whose
-    unreadable samples come as BadSamples. With `augment`, keys are (epoch, index) and crop_flip uses their hash, as
-    does `extra` (augment_ops.Augment), applied per batch in _collate: the same for any number of ranks or workers."""
+    """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
+    read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
+    transforms.image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
+    or workers."""
 
-    def __init__(self, data, augment: bool = False, seed: int = 0, split: str = "training", extra=None):
-        self.data, self.augment, self.seed, self.split, self.extra = data, augment, seed, split, extra
+    def __init__(self, data, transform=None, seed: int = 0, split: str = "training"):
+        self.data, self.transform, self.seed, self.split = data, transform, seed, split
         self.in_memory = isinstance(data, ImageData)
         if self.in_memory:
             self.image_shape = tuple(data.images.shape[1:])
@@ -375,29 +344,21 @@ class ImageDataset(Dataset):
             from machinery.bad_samples import first_readable, read_sample
             self.read_sample = read_sample
             self.image_shape = tuple(first_readable(data, split)[0][0].shape)
-        self.pad = crop_padding(*self.image_shape[1:])
-        if self.in_memory:  # padded once, up front
-            self.images = pad_images(data.images, self.pad) if augment else data.images
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, key):
-        epoch, idx = key if self.augment else (None, key)
+        epoch, idx = key if isinstance(key, tuple) else (0, key)
         if self.in_memory:
-            image, label = self.images[idx], self.data.labels[idx]
+            image, label = self.data.images[idx], self.data.labels[idx]
         else:
             item = self.read_sample(self.data, idx, self.split, self.image_shape)
             if not isinstance(item, tuple):  # a BadSample
                 return item
-            image, label = item
-            image, label = pad_images(image, self.pad) if self.augment else image, int(label)  # int64 once collated
-        if not self.augment:
-            return image, label
-        h = mix64(self.seed, epoch, idx)
-        image = crop_flip(image, h, self.pad)
-        if self.extra is not None and self.extra.active:  # augment_ops.Augment comes in the collate, on the batch
-            return image, label, signed(h)
+            image, label = item[0], int(item[1])  # int64 once collated
+        if self.transform is not None:
+            image = seeded(self.transform, (image,), image_seed(self.seed, epoch, idx))
         return image, label
 
 
@@ -411,60 +372,60 @@ def data_device(loader: str, device: torch.device, *splits):
     return device if in_memory and (loader == "gpu" or (loader == "auto" and device.type == "cuda")) else None
 
 
-def _collate(shape, batch, extra=None):
-    """(images, labels, unreadable): the samples that read, collated (empty tensors if none did, or the rank has
-    none left in the last step), and the BadSamples in their slots. Items that carry their hash get `extra`
-    (augment_ops.Augment) here, batched: the same bits as one by one."""
+def _collate(shape, batch):
+    """(images, labels, unreadable): the samples that read, collated (empty tensors of `shape` if none did, or the rank
+    has none left in the last step), and the BadSamples in their slots."""
     unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if not isinstance(b, tuple)]  # BadSamples
-    good = [b for b in batch if isinstance(b, tuple)]  # a sample that read: (image, label[, hash])
+    good = [b for b in batch if isinstance(b, tuple)]  # a sample that read: (image, label)
     if not good:
         return torch.empty(0, *shape, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), unreadable
-    if len(good[0]) == 3:
-        images, labels, hashes = default_collate(good)
-        return extra(images, hashes), labels, unreadable
     return (*default_collate(good), unreadable)
 
 
-def build_loaders(data, cfg, env) -> tuple:
-    """(train, test, val) loaders of `data` (CheckedData) for this rank. train (None for --evaluate) yields its share
-    of each global batch as cfg.accumulation_steps micro-batches (call batch_sampler.set_epoch each epoch, step_split
-    per batch); test and val (None without --val-size) score each image once, none padded or dropped. DeviceLoaders
-    with data.device; else AgreedLoaders, which skip up to cfg.skip_bad_samples unreadable samples per epoch."""
-    test = build_test_loader(data.test, cfg, env, device=data.device)
-    val = None if data.val is None else build_test_loader(data.val, cfg, env, data.device, "validation")
+def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
+    """(train, test, val) loaders of `data` (CheckedData) for this rank, each image through its split's transform and
+    each training micro-batch through the batch one (`transforms`: train_ddp.build_transforms'). train (None for
+    --evaluate) yields its share of each global batch as cfg.accumulation_steps micro-batches (call
+    batch_sampler.set_epoch each epoch, step_split per batch); test and val (None without --val-size) score each
+    image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
+    cfg.skip_bad_samples unreadable samples per epoch."""
+    from machinery.transform_checks import check_transforms, is_crop_flip, where_transform_runs
+    train_tf, test_tf, batch_tf = transforms
+    shape = call_and_agree(check_transforms, data, train_tf, test_tf)  # what they return, before the first step
+    device, in_memory_train = data.device, data.device is not None and data.train is not None
+    batched = in_memory_train and is_crop_flip(train_tf, tuple(data.train.images.shape[1:]))
+    if in_memory_train and train_tf is not None and not batched:
+        device = where_transform_runs(train_tf, data.train.images[0], device=device, loader=cfg.loader,
+                                      workers=cfg.num_workers)
+    test = build_test_loader(data.test, cfg, env, device=device, transform=test_tf, shape=shape)
+    val = None if data.val is None else build_test_loader(data.val, cfg, env, device, "validation", test_tf, shape)
     if data.train is None:
         return None, test, val
-    spec, seed = data.spec, cfg.seed
+    seed = cfg.seed
     sampler = EpochSampler(len(data.train), batch_size=cfg.batch_size, rank=env.rank,
                            world_size=env.world_size, accum_steps=cfg.accumulation_steps, seed=seed)
-    extra = mix = None  # the modern recipe's ops, in machinery/augment_ops.py: loaded when their flags are on
-    if cfg.auto_augment or cfg.random_erase:
-        from machinery.augment_ops import Augment
-        extra = Augment((spec.channels, spec.height, spec.width), auto_augment=cfg.auto_augment,
-                        random_erase=cfg.random_erase, fill=tuple(round(255 * m) for m in spec.mean))
-    if cfg.mixup_alpha or cfg.cutmix_alpha:
-        from machinery.augment_ops import Mix
-        mix = Mix(mixup_alpha=cfg.mixup_alpha, cutmix_alpha=cfg.cutmix_alpha, num_classes=spec.num_classes,
-                  seed=seed, rank=env.rank, world_size=env.world_size)
-    if data.device is not None:
-        return (DeviceLoader(data.train, data.device, sampler=sampler, seed=seed, extra=extra, mix=mix),
-                test, val)
-    dataset = ImageDataset(data.train, augment=True, seed=seed, extra=extra)
-    collate = functools.partial(_collate, dataset.image_shape, extra=extra)
-    train = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate,
+    data.draws = ("the device loader's crop and flip, from a hash" if batched else
+                  "torchvision's ops, seeded per image and micro-batch")
+    mix = None if batch_tf is None else Mix(batch_tf, num_classes=data.spec.num_classes, seed=seed,
+                                             rank=env.rank, world_size=env.world_size)
+    if device is not None:
+        return (DeviceLoader(data.train, device, sampler=sampler, seed=seed, transform=train_tf, mix=mix,
+                             batched_crop_flip=batched), test, val)
+    dataset = ImageDataset(data.train, transform=train_tf, seed=seed)
+    train = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, shape),
                        **_loader_options(cfg.num_workers, env.cuda, seed))
     return AgreedLoader(train, limit=cfg.skip_bad_samples, mix=mix), test, val
 
 
-def build_test_loader(split, cfg, env, device=None, split_name: str = "test"):
+def build_test_loader(split, cfg, env, device=None, split_name: str = "test", transform=None, shape=None):
     """Rank r scores images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
     shard = range(env.rank, len(split), env.world_size)
     if device is not None:
-        return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch)
-    dataset = ImageDataset(split, split=split_name)
+        return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform)
+    dataset = ImageDataset(split, transform=transform, split=split_name)
     options = _loader_options(cfg.num_workers, env.cuda)
     return AgreedLoader(DataLoader(dataset, batch_size=cfg.eval_batch, sampler=shard, **options,
-                                   collate_fn=functools.partial(_collate, dataset.image_shape)))
+                                   collate_fn=functools.partial(_collate, shape or dataset.image_shape)))
 
 
 def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
@@ -495,20 +456,12 @@ class AgreedLoader:
         return self.batch_sampler.step_split(position, skipped=self.gaps)
 
     def __iter__(self):
-        from machinery.loader_workers import stop_signals_held  # a stop signal sent to all reaches the rank alone
-        try:
-            with stop_signals_held():  # starts the workers (once: they persist), which get the Dataset pickled
-                batches = iter(self.loader)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            if "pickle" not in str(e):
-                raise
-            raise UserError(f"load_data's {type(self.loader.dataset.data).__name__} cannot be sent to the "
-                            f"DataLoader workers ({str(e).splitlines()[0]}): define its class at the top "
-                            f"level of a module, not inside a function, or use --workers 0") from None
+        from machinery.loader_workers import start_workers  # a stop signal sent to all reaches the rank alone
+        batches = start_workers(self.loader)
         for step, (images, labels, unreadable) in enumerate(batches):
             self.gaps = unreadable
             self.found += unreadable
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (augment_ops.Mix)
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (transforms.Mix)
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
         self.check()
@@ -525,16 +478,20 @@ class AgreedLoader:
 
 class DeviceLoader:
     """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
-    there with tensor ops: no CPU workers, no host-to-device copies. The same samples, crops and flips as the torch
-    loader (the same EpochSampler and hash). For data that does not fit on the device: --loader torch."""
+    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same EpochSampler); the
+    default crop and flip batched (transforms.crop_flip_batch, drawn from the hash: its own draws, as exact), another
+    `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
-                 seed: int = 0, extra=None, mix=None):
-        self.sampler, self.batch_size, self.seed, self.extra, self.mix = sampler, batch_size, seed, extra, mix
+                 seed: int = 0, transform=None, mix=None, batched_crop_flip: bool = False):
+        self.sampler, self.batch_size, self.seed, self.mix = sampler, batch_size, seed, mix
         self.batch_sampler = sampler  # as DataLoader names it
-        augment = sampler is not None
-        self.pad = crop_padding(*data.images.shape[-2:])
-        images = pad_images(data.images, self.pad) if augment else data.images
+        self.transform = transform
+        self.pad = None
+        images = data.images
+        if batched_crop_flip:  # the default training transform (transform_checks.is_crop_flip), batched
+            self.pad = crop_padding(*images.shape[-2:])  # padded once, up front
+            images = torch.nn.functional.pad(images, (self.pad[1], self.pad[1], self.pad[0], self.pad[0]))
         self.images, self.labels = images.to(device), data.labels.to(device)
         self.indices = (None if indices is None
                         else torch.as_tensor(list(indices), dtype=torch.int64, device=device))
@@ -548,20 +505,28 @@ class DeviceLoader:
     def check(self) -> None:
         """Nothing to agree on: data held in memory all read (AgreedLoader.check's counterpart)."""
 
+    def per_image(self, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        """The images `idx`, each through the transform with the torch loader's seed (or as they are)."""
+        if self.transform is None:
+            return self.images[idx]
+        return torch.stack([seeded(self.transform, (self.images[i],), image_seed(self.seed, epoch, i))
+                            for i in idx.tolist()])
+
     def __iter__(self):
         if self.sampler is None:
             for idx in self.indices.split(self.batch_size):
-                yield self.images[idx], self.labels[idx]
+                yield self.per_image(idx, 0), self.labels[idx]
             return
         steps = list(self.sampler)  # the epoch's whole order goes to the device at once: one copy, not one per step
         order = torch.tensor([i for keys in steps for _, i in keys], dtype=torch.int64).to(self.images.device)
-        h = mix64(self.seed, self.sampler.epoch, order)
+        epoch = self.sampler.epoch
+        h = mix64(self.seed, epoch, order)
         sizes = [len(keys) for keys in steps]
         for step, (idx, hs) in enumerate(zip(order.split(sizes), h.split(sizes))):
-            images, labels = crop_flip_batch(self.images, idx, hs, self.pad), self.labels[idx]
-            if self.extra is not None:  # TrivialAugment, random erasing: the same hash, batched
-                images = self.extra(images, hs)
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (augment_ops.Mix)
+            images = (crop_flip_batch(self.images, idx, hs, self.pad) if self.pad is not None
+                      else self.per_image(idx, epoch))
+            labels = self.labels[idx]
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (transforms.Mix)
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
 

@@ -31,7 +31,7 @@ from model import WideResNet
 
 
 def build_model(cfg, data) -> nn.Module:
-    # ADAPT (1/2): your model here, taking its input channels and classes from `data` (a DataSpec); in
+    # ADAPT (1/3): your model here, taking its input channels and classes from `data` (a DataSpec); in
     # model_config what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
     return WideResNet(cfg.depth, cfg.widen_factor, num_classes=data.num_classes, dropout=cfg.dropout,
                       in_channels=data.channels)
@@ -46,11 +46,31 @@ def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
     not asked for. The rest follows from what this returns: see train_utils.measure_data."""
-    # ADAPT (2/2): your data here.
+    # ADAPT (2/3): your data here.
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
     return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size) if train else None,
             dataset_utils.load_split(cfg.dataset, cfg.data_dir, False, cfg.test_size))
+
+
+def build_transforms(cfg, data) -> tuple:
+    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is; a uint8
+    C x H x W tensor in, one of the model's input size out) and each training micro-batch's (float images and
+    classes in, soft targets out). The loaders seed torch's generator per image and per micro-batch (docs/adapt.md)."""
+    from torchvision.transforms import v2  # here: torchvision's import costs every process a second
+    # ADAPT (3/3): your augmentation; photos, say: train [v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()], test
+    # [v2.Resize(256), v2.CenterCrop(224)]. The default, the WRN paper's: zero-pad an eighth of each side (4 for 32),
+    # crop back, mirror; the device loader batches these two on the GPU.
+    pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
+    train = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
+    if cfg.auto_augment == "ta_wide":
+        train.append(v2.TrivialAugmentWide())
+    if cfg.random_erase:  # filled with the mean colour: 0 once normalised, as torchvision's after Normalize
+        train.append(v2.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in data.mean]))
+    mix = [v2.MixUp(alpha=cfg.mixup_alpha, num_classes=data.num_classes)] if cfg.mixup_alpha else []
+    mix += [v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=data.num_classes)] if cfg.cutmix_alpha else []
+    batch = v2.RandomChoice(mix) if len(mix) == 2 else (mix[0] if mix else None)  # both: one of them, 50/50
+    return v2.Compose(train), None, batch
 
 
 @dataclass
@@ -91,7 +111,8 @@ def build_training(cfg, env, data) -> Training:
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
     # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each rank
     # its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r, r + W, ...
-    train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env)
+    train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env,
+                                                                        transforms=build_transforms(cfg, data.spec))
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
     # The EMA's first update copies the weights; each later one moves it by 1 - decay (per step, cfg.ema_decay).
     ema = (AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema_decay), use_buffers=True)

@@ -291,7 +291,7 @@ class Checkpoint:
         saved, progress = ckpt["config"], Progress(**ckpt["progress"])
         progress.sums += [0.0] * (len(EPOCH_SUMS) - len(progress.sums))  # a checkpoint from before the gradient norm
         if not cfg.evaluate:
-            note_resume_changes(saved, cfg, progress)
+            note_resume_changes(saved, cfg, progress, draws=self.data.draws)
         progress.step = -(-progress.position // cfg.batch_size)
         if ckpt["world_size"] == env.world_size:  # else the seeding at build time serves as well as any
             torch.set_rng_state(ckpt["rng_cpu"][env.rank].cpu())
@@ -317,7 +317,7 @@ class Checkpoint:
         rng_cuda = all_gather(torch.cuda.get_rng_state(self.env.device)) if self.env.cuda else []
         state = {**{name: obj.state_dict() for name, obj in self.objects().items()},
                  "progress": asdict(progress),
-                 "config": {**self.cfg.to_dict(), "data_spec": asdict(self.data.spec)},
+                 "config": {**self.cfg.to_dict(), "data_spec": asdict(self.data.spec), "draws": self.data.draws},
                  "model_config": self.model_config, "data": self.data.fingerprints,
                  "world_size": len(rng_cpu), "rng_cpu": rng_cpu, "rng_cuda": rng_cuda}
         out_dir, what = self.cfg.out_dir, f"the checkpoint {describe_position(**asdict(progress))}"

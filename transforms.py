@@ -1,53 +1,71 @@
-"""The augmentation's crop and flip, drawn from a hash of (seed, epoch, sample index), never from a random
-generator's state: so a run trains the same on any number of ranks (W ranks x A micro-steps as W x A ranks), a
-resume mid-epoch is bit-identical, and the DataLoader workers (one image at a time) and the device loader (a
-batch at once) cut the same pixels. The modern recipe's ops draw from the same hash (machinery/augment_ops.py,
-loaded when their flags are on). The images stay uint8 until the device normalises them.
+"""Where the augmentation's random draws take their seed, whatever op draws them: each training image's from a hash of
+(seed, epoch, index), each micro-batch's mixing from (seed, epoch, step, virtual rank). So a run trains the same on any
+number of ranks (W ranks x A micro-steps as W x A ranks), and a resume mid-epoch is bit-identical. The ops are
+torchvision's (train_ddp.build_transforms); the one kept here is the device loader's batched crop and flip, which no
+torchvision op does per image within a batch. The images stay uint8 until the device normalises them.
 """
 import torch
 
-from machinery.hashing import mix64, signed  # noqa: F401 - the loaders take them from here
+from machinery.hashing import mix64, seeded  # seeded(transform, inputs, seed): torch's generator seeded
 
-# The augmentation, in one place: zero-pad by an eighth of each side (at least 1 pixel; 4 for 32, as in the
-# WRN paper), crop back to the image's size at an offset drawn from the hash, and mirror left-right on
-# one bit of it. crop_flip (one image, the CPU workers) and crop_flip_batch (a batch, on the device)
-# cut the same pixels for the same hash.
+_SALT_MIX = 3  # the micro-batch's seed, apart from the images'
+
+
+def image_seed(seed: int, epoch: int, idx: int) -> int:
+    """The seed of training image `idx`'s draws in `epoch`."""
+    return mix64(seed, epoch, idx)
+
+
+class Mix:
+    """`batch_transform` (torchvision's MixUp, CutMix or a RandomChoice of them) on each micro-batch of a step, drawn
+    from (seed, epoch, the step's first position in the epoch's order, the micro-batch's virtual rank r + k x W): the
+    micro-batches are those of W x A ranks (EpochSampler), so is their mixing. Images become float (0-255), labels
+    soft targets (N, classes)."""
+
+    def __init__(self, batch_transform, *, num_classes: int, seed: int, rank: int, world_size: int):
+        self.batch_transform, self.num_classes = batch_transform, num_classes
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, *, epoch: int, position: int,
+                 micro_sizes: list) -> tuple:
+        out_images, out_labels = [], []
+        for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
+            key = mix64(mix64(self.seed, epoch, position + self.rank + k * self.world_size), _SALT_MIX, 0)
+            x, y = (seeded(self.batch_transform, (x.float(), y), key) if len(y)  # an empty micro-batch: as it is
+                    else (x.float(), y.new_zeros(0, self.num_classes, dtype=torch.float32)))
+            out_images.append(x)
+            out_labels.append(y)
+        return torch.cat(out_images), torch.cat(out_labels)
+
+    def mix_step(self, loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """The training loader's `step`-th batch of this pass, mixed within each micro-batch (the loader's
+        step_split: unread samples left out)."""
+        sampler = loader.batch_sampler
+        position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
+        _, micro_sizes = loader.step_split(position)
+        return self(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
+
+
+# The device loader's crop and flip, for the default training transform (zero-pad an eighth of each side, crop back,
+# mirror on one bit; machinery/transform_checks.is_crop_flip tells it): the same views torchvision's RandomCrop and
+# RandomHorizontalFlip give, drawn from the hash.
 
 def crop_padding(height: int, width: int) -> tuple:
-    """The random crop's zero padding (rows, columns) on each side for an image of this size."""
+    """The random crop's zero padding (rows, columns) on each side for an image of this size (4 for 32, as in the
+    WRN paper; at least 1)."""
     return max(1, height // 8), max(1, width // 8)
 
 
-def crop_params(h, pad: tuple):
-    """Crop offsets x in 0..2*pad_x and y in 0..2*pad_y of the padded image, and flip (0/1), from a hash
-    (int or tensor)."""
+def crop_flip_batch(images: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """The images `idx` of the padded (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, each cropped back to H x W at
+    an offset drawn from its hash h and maybe mirrored: gathers on the device."""
     pad_y, pad_x = pad
-    return (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
-
-
-def pad_images(images: torch.Tensor, pad: tuple) -> torch.Tensor:
-    """Zero-pad the last two dims, once up front, so that a random crop is a slice or a gather."""
-    pad_y, pad_x = pad
-    return torch.nn.functional.pad(images, (pad_x, pad_x, pad_y, pad_y))
-
-
-def crop_flip(padded: torch.Tensor, h: int, pad: tuple) -> torch.Tensor:
-    """One padded image (C, H + 2 pad_y, W + 2 pad_x) -> its random (C, H, W) crop, maybe mirrored."""
-    dx, dy, flip = crop_params(h, pad)
-    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
-    img = padded[:, dy:dy + height, dx:dx + width]
-    return img.flip(-1) if flip else img
-
-
-def crop_flip_batch(padded: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
-    """crop_flip for a batch, as tensor ops on the device: gather the images `idx` of the padded
-    (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, then their rows and (possibly mirrored) columns."""
-    dx, dy, flip = crop_params(h, pad)
-    height, width = padded.shape[-2] - 2 * pad[0], padded.shape[-1] - 2 * pad[1]
-    across = torch.arange(width, device=padded.device)
-    rows = dy[:, None] + torch.arange(height, device=padded.device)
+    dx, dy, flip = (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
+    height, width = images.shape[-2] - 2 * pad_y, images.shape[-1] - 2 * pad_x
+    across = torch.arange(width, device=images.device)
+    rows = dy[:, None] + torch.arange(height, device=images.device)
     cols = dx[:, None] + torch.where(flip[:, None].bool(), width - 1 - across, across)
-    x = padded[idx]
+    x = images[idx]
     b, c = x.shape[:2]
     x = x.gather(2, rows[:, None, :, None].expand(b, c, height, x.shape[3]))
     return x.gather(3, cols[:, None, None, :].expand(b, c, height, width))

@@ -1,4 +1,5 @@
-"""splitmix64 of (seed, epoch, index): the hash every random draw of the augmentation takes its bits from."""
+"""The seeds of the augmentation's random draws: splitmix64 of (seed, epoch, index) (mix64), and seeded(), which runs
+a transform with torch's generator seeded so."""
 import torch
 
 _M64 = (1 << 64) - 1
@@ -25,3 +26,15 @@ def mix64(seed: int, epoch: int, idx):
         h = mul(h ^ shr(h, 31), _C2)
         h = h ^ shr(h, 29)
     return h
+
+
+def seeded(transform, inputs, seed: int):
+    """transform(*inputs) drawing from torch's default generator seeded with `seed`, its state put back after: the
+    draws depend on the seed alone, and the training's own (dropout) are untouched."""
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(seed % (1 << 64))  # the hash, signed (a tensor's) or not, as one unsigned seed
+    try:
+        return transform(*inputs)
+    finally:
+        generator.set_state(state)

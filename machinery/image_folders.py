@@ -11,6 +11,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.functional import pil_to_tensor
 
+from machinery.data_checks import mean_std_of_sums
 from machinery.errors import UserError
 from machinery.output import log
 
@@ -104,3 +105,20 @@ def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image
         return image
 
 
+def mean_std(split, samples: int = 2000) -> tuple:
+    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
+    sums over `samples` images spread evenly (0: all), so every rank gets the same numbers; unreadable ones skipped."""
+    n = len(split)
+    picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
+    total = squares = count = 0
+    for i in picked:
+        try:
+            x = split[i][0].to(torch.int64)
+        except Exception:  # noqa: BLE001 - the loader names unreadable samples when it meets them
+            continue
+        total, squares, count = (total + x.sum(dim=(1, 2)), squares + (x * x).sum(dim=(1, 2)),
+                                 count + x[0].numel())
+    if not count:
+        raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
+                        f"cannot compute their mean and std")
+    return mean_std_of_sums(total, squares, count)

@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 from multiprocessing import resource_tracker
@@ -42,7 +43,7 @@ def worker_context():
     ties the forkserver's life to the rank's and the workers' to the forkserver's (die_with_parent)."""
     os.environ[RANK_PID] = str(os.getpid())
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["__main__", "torch", __name__])
+    context.set_forkserver_preload(["__main__", "torch", "torchvision", __name__])
     return context
 
 
@@ -82,6 +83,20 @@ def stop_signals_held():
 
 
 _registered = []
+
+
+def start_workers(loader):
+    """iter(loader) with the stop signals held: the workers start there (once: they persist) and get the Dataset
+    pickled; one they cannot take is a UserError naming the ways out."""
+    try:
+        with stop_signals_held():
+            return iter(loader)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        if "pickle" not in str(e):
+            raise
+        raise UserError(f"load_data's {type(loader.dataset.data).__name__} cannot be sent to the DataLoader workers "
+                        f"({str(e).splitlines()[0]}): define its class at the top level of a module, not inside a "
+                        f"function, or use --workers 0") from None
 
 
 def end_workers_at_exit() -> None:

@@ -206,8 +206,8 @@ def job_recipe() -> list:
 def build_loaders(train, test, *, batch_size, rank, world_size, accum_steps, eval_batch, seed, workers,
                   pin_memory, device=None, skip_bad_samples=0, val=None, augment=None, spec=None):
     """dataset_utils.build_loaders from loose values, as the loader tests name them: (train, test), or (train,
-    test, val) with `val`. Without `spec`, one stating the first image's shape (no augmentation beyond the
-    crop)."""
+    test, val) with `val`, with train_ddp.build_transforms'. Without `spec`, one stating the first image's shape
+    (no augmentation beyond the crop and flip)."""
     import dataset_utils as du
     from types import SimpleNamespace
     if spec is None:
@@ -217,10 +217,11 @@ def build_loaders(train, test, *, batch_size, rank, world_size, accum_steps, eva
     flags = {**dict(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0),
              **(augment or {})}
     cfg = SimpleNamespace(batch_size=batch_size, accumulation_steps=accum_steps, eval_batch=eval_batch,
-                          seed=seed, num_workers=workers, skip_bad_samples=skip_bad_samples, **flags)
+                          seed=seed, num_workers=workers, skip_bad_samples=skip_bad_samples, loader="gpu", **flags)
     env = SimpleNamespace(rank=rank, world_size=world_size, cuda=pin_memory)
-    data = SimpleNamespace(train=train, test=test, val=val, spec=spec, device=device)
-    loaders = du.build_loaders(data, cfg, env)
+    data = SimpleNamespace(train=train, test=test, val=val, spec=spec, device=device, draws="")
+    import train_ddp
+    loaders = du.build_loaders(data, cfg, env, transforms=train_ddp.build_transforms(cfg, spec))
     return loaders if val is not None else loaders[:2]
 
 

@@ -21,7 +21,7 @@ import train_ddp
 from support import ROOT, SCRIPTS
 from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, load_checkpoint,
                                    load_latest_checkpoint, save_checkpoint, state_bytes)
-from machinery.resume import check_format
+from machinery.resume import check_format, fingerprint
 from machinery.errors import UserError
 from config import make_config
 from train_utils import Checkpoint, DistEnv, Found, Progress
@@ -60,8 +60,8 @@ def build_run(out_dir, flags=()):
     cfg = make_config(args, env)
     split = du.load_split("synthetic", "", True, size=64)
     data = du.CheckedData(split, split, du.measure_data(split, split),
-                                   {"train": du.fingerprint(split),
-                                    "test": du.fingerprint(split)}, None)
+                                   {"train": fingerprint(split),
+                                    "test": fingerprint(split)}, None)
     return cfg, env, data, train_ddp.build_training(cfg, env, data)
 
 

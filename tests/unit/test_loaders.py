@@ -53,29 +53,35 @@ def test_the_test_loader_yields_the_stored_images_without_augmentation(device, w
 
 
 @pytest.mark.parametrize("world_size,accum,start", [(1, 1, 0), (3, 1, 0), (2, 1, 64), (3, 1, 96), (2, 2, 64)])
-def test_gpu_and_torch_loaders_yield_identical_batches(world_size, accum, start):
+def test_gpu_and_torch_loaders_yield_the_same_samples_and_per_image_transforms_the_same_pixels(world_size, accum,
+                                                                                                start):
+    """The same samples in the same order on both loaders; with a per-image transform (random erasing here) the
+    same pixels too, the device loader seeding each image as the workers do. The default crop and flip, batched on
+    the device, draws its own views (test_augmentation.py)."""
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g),
                         torch.arange(300))
     for rank in range(world_size):
         batch = 32 * world_size
-        common = dict(batch_size=batch, rank=rank, world_size=world_size, accum_steps=accum, eval_batch=32,
-                      seed=5, workers=0, pin_memory=False)
-        torch_train, torch_test = support.build_loaders(data, data, **common)
-        dev_train, dev_test = support.build_loaders(data, data, **common, device=torch.device("cpu"))
-        for epoch in (1, 2):
-            torch_train.batch_sampler.set_epoch(epoch, start=start)
-            dev_train.batch_sampler.set_epoch(epoch, start=start)
-            a, b = list(torch_train), list(dev_train)
-            assert len(a) == len(b) == len(dev_train) == len(torch_train)
-            for (xa, ya), (xb, yb) in zip(a, b):
-                assert torch.equal(xa, xb) and torch.equal(ya, yb)
-        assert all(torch.equal(xa, xb) and torch.equal(ya, yb)
-                   for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
+        for augment, same_pixels in (({}, False), ({"random_erase": 0.5}, True)):
+            common = dict(batch_size=batch, rank=rank, world_size=world_size, accum_steps=accum, eval_batch=32,
+                          seed=5, workers=0, pin_memory=False, augment=augment)
+            torch_train, torch_test = support.build_loaders(data, data, **common)
+            dev_train, dev_test = support.build_loaders(data, data, **common, device=torch.device("cpu"))
+            for epoch in (1, 2):
+                torch_train.batch_sampler.set_epoch(epoch, start=start)
+                dev_train.batch_sampler.set_epoch(epoch, start=start)
+                a, b = list(torch_train), list(dev_train)
+                assert len(a) == len(b) == len(dev_train) == len(torch_train)
+                for (xa, ya), (xb, yb) in zip(a, b):
+                    assert torch.equal(ya, yb) and xa.shape == xb.shape
+                    assert torch.equal(xa, xb) == same_pixels
+            assert all(torch.equal(xa, xb) and torch.equal(ya, yb)
+                       for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40)])
-def test_both_loaders_yield_identical_batches_for_any_image_shape(shape):
+def test_both_loaders_yield_the_same_samples_for_any_image_shape(shape):
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (150, *shape), dtype=torch.uint8, generator=g),
                         torch.arange(150))
@@ -83,8 +89,8 @@ def test_both_loaders_yield_identical_batches_for_any_image_shape(shape):
         (torch_train, torch_test), (dev_train, dev_test) = loaders_both_ways(
             data, rank=rank, device=torch.device("cpu"), batch_size=32, eval_batch=16, epoch=1, start=64)
         a, b = list(torch_train), list(dev_train)
-        assert len(a) == len(b) == 3 and all(x.shape[1:] == shape for x, _ in a)
-        assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+        assert len(a) == len(b) == 3 and all(x.shape[1:] == shape for x, _ in a + b)
+        assert all(torch.equal(ya, yb) for (_, ya), (_, yb) in zip(a, b))
         assert all(torch.equal(xa, xb) and torch.equal(ya, yb)
                    for (xa, ya), (xb, yb) in zip(torch_test, dev_test))
 

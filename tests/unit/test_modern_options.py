@@ -1,6 +1,7 @@
-"""The modern recipe's pieces in-process (augment_ops.py, dataset_utils.hold_out, the EMA's decay,
---init-from's reading): TrivialAugmentWide and random erasing the same bits per image alone or in a batch, on
-both loaders; mixup/cutmix the same for W ranks x A micro-steps as for W x A ranks; the held-out split
+"""The modern recipe's pieces in-process (torchvision's ops as build_transforms gives them, transforms.Mix,
+dataset_utils.hold_out, the EMA's decay, --init-from's reading): TrivialAugmentWide and random erasing drawn per
+image from its key, the same on both loaders; mixup/cutmix the same for W ranks x A micro-steps as for W x A
+ranks; the held-out split
 disjoint and fixed. The entry point's behaviours (resume, ranks x micro-steps, best.pt, ...) are in
 tests/e2e/test_modern_recipe.py."""
 import argparse
@@ -10,9 +11,9 @@ import torch
 
 import dataset_utils as du
 import support
-from machinery import augment_ops
+import train_ddp
+import transforms
 from machinery.errors import UserError
-from machinery.hashing import mix64
 from machinery.init_weights import load_initial_weights
 from machinery.launch import DistEnv
 from model import WideResNet
@@ -26,42 +27,27 @@ def random_images(n, channels=3, size=(20, 24), seed=0):
 
 
 @pytest.mark.parametrize("channels", [1, 3])
-def test_each_image_is_augmented_the_same_alone_as_in_any_batch(channels):
-    x = random_images(96, channels)
-    h = mix64(3, 2, torch.arange(96))
-    augment = augment_ops.Augment((channels, 20, 24), auto_augment="ta_wide", random_erase=0.5,
-                                  fill=(128,) * channels)
-    whole = augment(x, h)
-    assert torch.equal(whole, torch.cat([augment(x[i:i + 1], h[i:i + 1]) for i in range(96)]))
-    assert torch.equal(whole[10:50], augment(x[10:50], h[10:50]))
-    assert (whole != x).any(dim=(1, 2, 3)).float().mean() > 0.5  # most images changed
-
-
-def test_every_trivial_augment_op_is_drawn_and_identity_changes_nothing():
-    x = random_images(3000, 3, (16, 16))
-    h = mix64(0, 1, torch.arange(3000))
-    out = augment_ops.Augment((3, 16, 16), auto_augment="ta_wide")(x, h)
-    op = augment_ops._bits(mix64(augment_ops._SALT_TA, 0, h), 0, 16) % len(augment_ops.TA_WIDE)
-    counts = torch.bincount(op, minlength=len(augment_ops.TA_WIDE))
-    assert counts.min() > 150  # 3000 / 14 = 214 each
-    names = [t[0] for t in augment_ops.TA_WIDE]
-    assert torch.equal(out[op == names.index("identity")], x[op == names.index("identity")])
-    for name in ("shear_x", "rotate", "brightness", "posterize", "solarize", "equalize"):
-        assert (out[op == names.index(name)] != x[op == names.index(name)]).any()
-
-
-def test_random_erasing_fills_one_box_of_the_fill_colour_with_its_probability():
-    x = torch.full((4000, 3, 32, 32), 7, dtype=torch.uint8)
-    h = mix64(1, 1, torch.arange(4000))
-    out = augment_ops.Augment((3, 32, 32), random_erase=0.25, fill=(100, 110, 120))(x, h)
-    erased = (out != 7).any(dim=1)  # (N, H, W)
-    hit = erased.any(dim=(1, 2))
-    assert 0.22 < hit.float().mean() < 0.28
-    for i in hit.nonzero().flatten()[:50].tolist():  # a box: its rows x its columns, in the fill colour
-        rows, cols = erased[i].any(dim=1), erased[i].any(dim=0)
-        assert torch.equal(erased[i], rows[:, None] & cols[None, :])
-        assert out[i, :, rows.nonzero()[0], cols.nonzero()[0]].flatten().tolist() == [100, 110, 120]
-        assert 0.02 * 1024 * 0.5 < erased[i].sum() <= 0.34 * 1024 * 1.2
+def test_trivial_augment_and_random_erasing_are_torchvision_s_drawn_per_image_from_its_key(channels):
+    """--auto-augment ta_wide and --random-erase are torchvision's TrivialAugmentWide and RandomErasing (filled
+    with the data's mean colour), each image's draws seeded from (seed, epoch, index): the same image whatever
+    else the loader reads before it, most images changed, and the training's own generator left as it was."""
+    from torchvision.transforms import v2
+    data = du.ImageData(random_images(64, channels), torch.arange(64) % 10)
+    spec = du.measure_data(data, data)
+    train, _, _ = train_ddp.build_transforms(argparse.Namespace(**AUGMENT), spec)
+    kinds = [type(t) for t in train.transforms]
+    assert kinds[2:] == [v2.TrivialAugmentWide, v2.RandomErasing]
+    assert train.transforms[3].value == [round(255 * m) for m in spec.mean]
+    dataset = du.ImageDataset(data, transform=train, seed=3)
+    state = torch.get_rng_state()
+    forward = [dataset[(2, i)][0] for i in range(64)]
+    backward = [dataset[(2, i)][0] for i in reversed(range(64))][::-1]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(a, b) for a, b in zip(forward, backward))
+    assert sum(not torch.equal(a, dataset[(3, i)][0]) for i, a in enumerate(forward)) > 48  # another epoch
+    plain = du.ImageDataset(data, transform=train_ddp.build_transforms(
+        argparse.Namespace(**{**AUGMENT, "auto_augment": None, "random_erase": 0.0}), spec)[0], seed=3)
+    assert sum(not torch.equal(a, plain[(2, i)][0]) for i, a in enumerate(forward)) > 32  # TA and erasing act
 
 
 def test_both_loaders_give_the_same_augmented_batches():
@@ -89,8 +75,10 @@ def mixed_steps(world_size, accum, position=64):
     out = {}
     for rank in range(world_size):
         micro = du.deal_step(8, rank, world_size, accum)
-        mix = augment_ops.Mix(mixup_alpha=0.4, cutmix_alpha=1.0, num_classes=8, seed=2, rank=rank,
-                              world_size=world_size)
+        flags = argparse.Namespace(**{**AUGMENT, "mixup_alpha": 0.4, "cutmix_alpha": 1.0})
+        spec = du.DataSpec(3, 8, 8, num_classes=8, mean=(0.5,) * 3, std=(0.25,) * 3)
+        mix = transforms.Mix(train_ddp.build_transforms(flags, spec)[2], num_classes=8, seed=2, rank=rank,
+                             world_size=world_size)
         idx = torch.tensor([i for m in micro for i in m])
         x, t = mix(images[idx], labels[idx], epoch=4, position=position, micro_sizes=[len(m) for m in micro])
         start = 0

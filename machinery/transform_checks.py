@@ -1,0 +1,93 @@
+"""Checks of train_ddp.build_transforms' transforms before the first step (what they return, whether they draw from
+torch's generator, whether the training one is the default crop and flip that the device loader batches), and where
+another runs, with its rate.
+Loaded when the loaders are built (dataset_utils.build_loaders)."""
+import time
+
+import torch
+
+from machinery.errors import UserError, call_and_agree
+from machinery.hashing import seeded
+from machinery.output import log
+
+
+def is_crop_flip(transform, image_shape: tuple) -> bool:
+    """Whether `transform` is the default's zero-padded RandomCrop to the image's size, then a horizontal flip."""
+    from torchvision.transforms import v2
+    ops = getattr(transform, "transforms", None)
+    if not (type(transform) is v2.Compose and len(ops) == 2 and type(ops[0]) is v2.RandomCrop
+            and type(ops[1]) is v2.RandomHorizontalFlip and ops[1].p == 0.5):
+        return False
+    pad_y, pad_x = max(1, image_shape[1] // 8), max(1, image_shape[2] // 8)  # transforms.crop_padding
+    crop = ops[0]
+    return (tuple(crop.size) == tuple(image_shape[1:]) and list(crop.padding) == [pad_x, pad_x, pad_y, pad_y]
+            and crop.fill == 0 and crop.padding_mode == "constant" and not crop.pad_if_needed)
+
+
+def first_image(split, name: str) -> torch.Tensor:
+    """The first image of a split that reads (ImageData's first)."""
+    if isinstance(getattr(split, "images", None), torch.Tensor):
+        return split.images[0]
+    from machinery.bad_samples import first_readable
+    return first_readable(split, name)[0][0]
+
+
+def check_transforms(data, train, test) -> tuple:
+    """The model's input shape (C, H, W): what the training transform makes of the first training image, the same
+    as the test transform (None: as it is) makes of the first test image. UserError, naming the transform and what it
+    returned, unless both give uint8 tensors of the image's channels and that one shape; a note if the training
+    transform gives two outputs for one seed (it draws from elsewhere than torch's generator)."""
+    shapes = {}
+    for name, split, transform in (("training", data.train, train), ("test", data.test, test)):
+        if split is None:  # --evaluate: no training split
+            continue
+        image = first_image(split, name)
+        out = image if transform is None else seeded(transform, (image,), 0)
+        what = (f"the {name} transform (build_transforms in train_ddp.py)" if transform is not None else
+                f"the {name} images (no {name} transform)")
+        if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 3
+                and out.shape[0] == image.shape[0]):
+            got = (f"a {' x '.join(map(str, out.shape))} {str(out.dtype).removeprefix('torch.')} tensor"
+                   if isinstance(out, torch.Tensor) else f"a {type(out).__module__}.{type(out).__name__}")
+            raise UserError(f"{what} returned {got} for a {' x '.join(map(str, image.shape))} uint8 image: it "
+                            f"must return a uint8 tensor C x H x W of the image's {image.shape[0]} channels (a PIL "
+                            f"image: end with v2.PILToTensor(); float: v2.ToDtype(torch.uint8, scale=True))")
+        shapes[name] = (tuple(out.shape), what)
+        if name == "training" and transform is not None and not torch.equal(out, seeded(transform, (image,), 0)):
+            log("note: the training transform gave two outputs for one seed: it draws from elsewhere than torch's "
+                "generator (Python's random, NumPy, a Generator of its own), so a resume or another number of ranks "
+                "will not train the same: draw with torch.rand or torch.randint (docs/adapt.md)")
+    (shape, what), *others = shapes.values()
+    for other_shape, other in others:
+        if other_shape != shape:
+            raise UserError(f"{what} gives images of {' x '.join(map(str, shape))} but {other} of "
+                            f"{' x '.join(map(str, other_shape))} (channels x height x width): the model takes one "
+                            f"size: make both give it (e.g. test: v2.Resize and v2.CenterCrop to the training size)")
+    return shape
+
+
+def transform_rate(transform, image: torch.Tensor, images: int = 20) -> float:
+    """Images a second `transform` takes, seeded, on `image`'s device, one at a time."""
+    seeded(transform, (image,), 0)  # the first call's start-up left out
+    start = time.perf_counter()
+    for i in range(images):
+        seeded(transform, (image,), i + 1)
+    if image.is_cuda:
+        torch.cuda.synchronize(image.device)
+    return images / (time.perf_counter() - start)
+
+
+def where_transform_runs(transform, image: torch.Tensor, *, device, loader: str, workers: int):
+    """Where a training transform other than the device loader's crop and flip runs (for data in memory), said in
+    one line with its rate: per image on `device` (--loader gpu), else in the DataLoader workers (None)."""
+    if loader == "gpu":
+        log(f"note: the training transform is not the device loader's batched crop and flip: it runs per image on "
+            f"the {device.type}, {transform_rate(transform, image.to(device)):.0f} img/s on rank 0 (measured now); "
+            f"--loader torch runs it in DataLoader workers")
+        return device
+    log(f"note: the training transform is not the device loader's batched crop and flip: it runs per image in "
+        f"{workers} DataLoader worker(s) per rank, {transform_rate(transform, image):.0f} img/s each on this CPU "
+        f"(measured now); --loader gpu runs it per image on the {device.type}")
+    from machinery.loader_workers import check_worker_sockets
+    call_and_agree(check_worker_sockets, workers)
+    return None
