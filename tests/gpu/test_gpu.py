@@ -10,7 +10,7 @@ import torch
 
 import dataset_utils as du
 import support
-from support import SCRIPTS, TINY, load_model_state, loaders_both_ways, read_json, read_jsonl
+from support import SCRIPTS, TINY, build_loaders, load_model_state, read_json, read_jsonl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU node)")
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -28,12 +28,16 @@ RUN = ["--dataset", "synthetic", "--train-size", 2048, "--test-size", 256, "--ba
        *TINY]
 
 
-def test_device_loader_on_the_gpu_matches_the_cpu_loader_bit_for_bit():
+def test_the_device_loader_on_the_gpu_matches_itself_on_the_cpu_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     data = du.ImageData(torch.randint(0, 256, (300, 3, 32, 32), dtype=torch.uint8, generator=g), torch.arange(300))
     for rank in range(2):
-        (cpu_train, cpu_test), (gpu_train, gpu_test) = loaders_both_ways(
-            data, rank=rank, device=torch.device("cuda"), batch_size=64, eval_batch=32, epoch=3, start=64)
+        common = dict(batch_size=64, rank=rank, world_size=2, accum_steps=1, eval_batch=32, seed=5, workers=0,
+                      pin_memory=False)  # the device loader on the CPU, then on the GPU: its batched crop and flip
+        (cpu_train, cpu_test), (gpu_train, gpu_test) = (build_loaders(data, data, **common, device=torch.device(d))
+                                                        for d in ("cpu", "cuda"))
+        for train in (cpu_train, gpu_train):
+            train.batch_sampler.set_epoch(3, start=64)
         pairs = list(zip(cpu_train, gpu_train)) + list(zip(cpu_test, gpu_test))
         assert len(pairs) == len(cpu_train) + len(cpu_test)
         for (xa, ya), (xb, yb) in pairs:

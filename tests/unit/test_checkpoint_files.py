@@ -174,3 +174,18 @@ def test_a_checkpoint_that_lacks_a_key_this_version_reads_is_refused_as_older_in
     # it names what is missing (a whole config: its keys)
     assert missing in message or missing == "config", message
     assert "another --out-dir" in message
+
+
+def test_a_resume_whose_augmentation_draws_changed_says_so_in_one_line(capsys):
+    """A checkpoint of the last release (no "draws": its own hash-drawn ops) or of the other loader resumes, with
+    one note that the draws changed; the same draws, no note."""
+    from machinery.resume import note_resume_changes
+    cfg = SimpleNamespace(lr=0.1, batch_size=64, world_size=2, accumulation_steps=1, micro_batch_size=32)
+    saved = {"lr": 0.1, "batch_size": 64, "world_size": 2, "accumulation_steps": 1, "micro_batch_size": 32}
+    now = "torchvision's ops, seeded per image and micro-batch"
+    for before in ({}, {"draws": "the device loader's crop and flip, from a hash"}):
+        note_resume_changes({**saved, **before}, cfg, Progress(), draws=now)
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("note: the augmentation drew from ") and now in lines[0]
+    note_resume_changes({**saved, "draws": now}, cfg, Progress(), draws=now)
+    assert capsys.readouterr().out == ""
