@@ -25,27 +25,34 @@ WARMUP_ROUNDS = 24  # untimed rounds of the loop-overhead check: one in each ord
 
 
 def augmentation_check(rounds: int = 5) -> dict:
-    """Crop, flip and normalise per core: the original script's PIL per-sample path against batched tensor
-    ops, in interleaved rounds, in CPU time (one thread); the median rate of each."""
+    """Crop, flip and normalise per core: the original script's PIL per-sample path, the recipe's torchvision
+    v2 crop and flip per sample, seeded (its DataLoader workers' path), and its batched tensor ops (the device
+    loader's), in interleaved rounds, in CPU time (one thread); the median rate of each."""
+    from torchvision.transforms import v2
     from PIL import Image
     data = du.make_synthetic(4096, train=True)
     tf = original_transform()
     hwc = data.images.permute(0, 2, 3, 1).numpy()
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
     pad = transforms.crop_padding(*data.images.shape[-2:])
-    padded = transforms.pad_images(data.images, pad)
-    pil_rates, tensor_rates = [], []
+    padded = torch.nn.functional.pad(data.images, (pad[1], pad[1], pad[0], pad[0]))
+    v2_crop_flip = v2.Compose([v2.RandomCrop(32, padding=[pad[1], pad[0]]), v2.RandomHorizontalFlip()])
+    pil_rates, v2_rates, tensor_rates = [], [], []
     for rnd in range(rounds):
         t = time.process_time()
         for i in range(1024):
             tf(Image.fromarray(hwc[i]))
         pil_rates.append(1024 / (time.process_time() - t))
         t = time.process_time()
+        for s in range(0, 1024, 256):
+            normalize(torch.stack([transforms.seeded(v2_crop_flip, (data.images[i],), i) for i in range(s, s + 256)]))
+        v2_rates.append(1024 / (time.process_time() - t))
+        t = time.process_time()
         for s in range(0, 4096, 512):
             idx = torch.arange(s, s + 512)
             normalize(transforms.crop_flip_batch(padded, idx, transforms.mix64(0, rnd, idx), pad))
         tensor_rates.append(4096 / (time.process_time() - t))
-    aug = {"pil_img_per_s_per_core": statistics.median(pil_rates),
+    aug = {"pil_img_per_s_per_core": statistics.median(pil_rates), "v2_img_per_s_per_core": statistics.median(v2_rates),
            "tensor_img_per_s_per_core": statistics.median(tensor_rates)}
     aug["speedup"] = aug["tensor_img_per_s_per_core"] / aug["pil_img_per_s_per_core"]
     return aug
@@ -223,7 +230,8 @@ def cpu_checks(args, cfg, env) -> dict:
 
 def report_cpu_checks(c: dict, seconds: float) -> None:
     a, lo = c["augmentation"], c["loop_overhead"]
-    log(f"augmentation, 1 core: PIL per sample {a['pil_img_per_s_per_core']:.0f} img/s, "
+    log(f"augmentation, 1 core: PIL per sample {a['pil_img_per_s_per_core']:.0f} img/s, torchvision v2 per "
+        f"sample (the DataLoader workers') {a['v2_img_per_s_per_core']:.0f} img/s, "
         f"batched tensor ops {a['tensor_img_per_s_per_core']:.0f} img/s: {a['speedup']:.1f}x")
     log(f"loop overhead ({lo['model']}, batch {lo['batch']}): {lo['ours_step_s'] * 1e3:.1f} ms/step vs "
         f"bare {lo['bare_step_s'] * 1e3:.1f} ms/step: {lo['overhead_fraction'] * 100:.1f}%; the data path "
