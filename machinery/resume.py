@@ -1,7 +1,6 @@
-"""What a resume checks, loaded when there is a checkpoint to continue (train_utils.find_checkpoint,
-Checkpoint.restore, dataset_utils.load_checked_data): its format, the flags it continues with by the recipe's
-RESUME_RULES, the device type, a finished run, the same data (by the fingerprint every checkpoint keeps) and the
-same model."""
+"""What a resume checks (train_utils.find_checkpoint, Checkpoint.restore, dataset_utils.load_checked_data): its
+format, the flags it continues with by the recipe's RESUME_RULES, the device type, a finished run, the same data (by
+the fingerprint every checkpoint keeps, which load_checked_data takes from here in every run) and the same model."""
 from __future__ import annotations
 
 import hashlib

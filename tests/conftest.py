@@ -80,6 +80,14 @@ def uninterrupted(uninterrupted_run):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted_device_loader(tmp_path_factory):
+    """The checkpoint of an uninterrupted CKPT_RUN on 2 ranks with the data device-resident (--loader gpu, on the
+    CPU): the device loader batches the crop and flip with draws of its own, so its stopped runs end here."""
+    return load_model_state(made_once(tmp_path_factory, "uninterrupted_device_loader", lambda folder: launch_forked(
+        [*CKPT_RUN, "--loader", "gpu", "--out-dir", folder / "run"], nproc=2)) / "run")
+
+
+@pytest.fixture(scope="session")
 def accumulation_run(tmp_path_factory):
     """accumulation_run(ranks): the out-dir of an uninterrupted ACCUM_RUN on that many ranks (global
     batch 64, micro-batches of 16: 4 ranks x 1, 2 x 2, 1 x 4 accumulation steps), and its output;

@@ -96,18 +96,18 @@ def test_empty_test_shard_neither_hangs_nor_miscounts_and_evaluate_needs_only_th
     assert "which trained on other data: use another --out-dir" in refused.stderr
 
 
-def test_the_device_loader_stopped_mid_epoch_resumes_to_its_uninterrupted_weights(tmp_path):
+def test_the_device_loader_stopped_mid_epoch_resumes_to_its_uninterrupted_weights(tmp_path,
+                                                                                  uninterrupted_device_loader):
     """CKPT_RUN with the data device-resident (here on the CPU; the default crop and flip batched, drawn from
     its hash): stopped at step 4 of epoch 1 and resumed, it ends with the weights of its uninterrupted run."""
     run = [*CKPT_RUN, "--loader", "gpu"]
-    launch_forked([*run, "--out-dir", tmp_path / "whole"], nproc=2)
     out, stop_file = tmp_path / "run", tmp_path / "stop"
     stop_file.touch()  # seen at the first check, CKPT_RUN's checkpoint at step 4
     stopped = launch_forked([*run, "--out-dir", out], nproc=2, env={"DDP_STOP_FILE": str(stop_file)}, check=False)
     assert "in epoch 1 after step 4" in stopped.stdout, stopped.stdout + stopped.stderr
     stop_file.unlink()
     launch_forked([*run, "--out-dir", out], nproc=2)
-    got, want = load_model_state(out), load_model_state(tmp_path / "whole")
+    got, want = load_model_state(out), uninterrupted_device_loader
     assert got["config"]["draws"] == "the device loader's crop and flip, from a hash"
     for k, value in want["model"].items():
         assert torch.equal(got["model"][k], value), k

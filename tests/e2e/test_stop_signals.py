@@ -108,7 +108,8 @@ def test_a_stop_signal_to_every_process_checkpoints_and_resumes_to_the_uninterru
     rank down with "DataLoader worker ... is killed by signal" before any checkpoint). `--loader gpu` (on the
     CPU here) has no workers: the other loader, the same stop. Under torchrun the ranks get it twice (torchrun
     forwards its own), which changes nothing."""
-    reference = uninterrupted if nproc == 2 else request.getfixturevalue("uninterrupted_one_rank")
+    reference = (request.getfixturevalue("uninterrupted_device_loader") if loader == "gpu"
+                 else uninterrupted if nproc == 2 else request.getfixturevalue("uninterrupted_one_rank"))
     out = tmp_path / "run"
     run = [*CKPT_RUN, "--loader", loader, "--workers", workers, "--out-dir", out]
     proc, log = start(run, nproc=nproc, torchrun=nproc > 1, env=TORCHRUN_FORWARDS_USR1)
