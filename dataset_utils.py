@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from transforms import Mix, crop_flip_batch, crop_padding, image_seed, mix64, seeded
+from transforms import Mix, crop_flip_batch, crop_padding, image_seed, mix64
 
 # CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -40,7 +40,7 @@ class DataSpec:
     """What the data say of themselves; the model, the normalisation and the augmentation follow it.
     Stored in config.json and every checkpoint: a resume on data of another shape is refused."""
     channels: int
-    height: int
+    height: int  # the (first) training image's size: images of a Dataset may differ, the transforms decide
     width: int
     num_classes: int
     mean: tuple
@@ -128,13 +128,10 @@ def measure_data(train, test) -> DataSpec:
     must state its mean and std. UserError, naming load_data, if the loaders cannot take the splits."""
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
-    if test_shape != shape:
-        from machinery.bad_samples import resize_fix
-        fix = (f"give both {shape[0]} channels in load_data" if test_shape[0] != shape[0] else
-               f"give the test images the training images' size: {resize_fix(test, shape)}")
+    if test_shape[0] != shape[0]:  # sizes may differ: the transforms make the model's (check_transforms)
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test "
                         f"images of {' x '.join(map(str, test_shape))} (channels x height x width): both "
-                        f"splits must hold images of one shape; {fix}")
+                        f"splits must have one number of channels; give both {shape[0]} in load_data")
     num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
     for split, name in ((train, "training"), (test, "test")):
         labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
@@ -333,32 +330,37 @@ class ImageDataset(Dataset):
     """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
     read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
     transforms.image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
-    or workers."""
+    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad too."""
 
-    def __init__(self, data, transform=None, seed: int = 0, split: str = "training"):
+    def __init__(self, data, transform=None, seed: int = 0, split: str = "training", shape=None):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
         self.in_memory = isinstance(data, ImageData)
         if self.in_memory:
-            self.image_shape = tuple(data.images.shape[1:])
+            first = tuple(data.images.shape[1:])
         else:  # the workers read it: a sample that does not read comes as a BadSample
-            from machinery.bad_samples import first_readable, read_sample
-            self.read_sample = read_sample
-            self.image_shape = tuple(first_readable(data, split)[0][0].shape)
+            from machinery.bad_samples import first_readable
+            first = tuple(first_readable(data, split)[0][0].shape)
+        self.image_shape = tuple(shape or first) if transform is not None else first
+        self.read_shape = first if transform is None else (first[0], None, None)  # a transform takes any size
 
     def __len__(self):
         return len(self.data)
 
     def __getitem__(self, key):
+        from machinery.bad_samples import read_sample, transform_sample
         epoch, idx = key if isinstance(key, tuple) else (0, key)
         if self.in_memory:
             image, label = self.data.images[idx], self.data.labels[idx]
         else:
-            item = self.read_sample(self.data, idx, self.split, self.image_shape)
+            item = read_sample(self.data, idx, self.split, self.read_shape)
             if not isinstance(item, tuple):  # a BadSample
                 return item
             image, label = item[0], int(item[1])  # int64 once collated
         if self.transform is not None:
-            image = seeded(self.transform, (image,), image_seed(self.seed, epoch, idx))
+            image = transform_sample(self.data, idx, self.split, self.transform, image,
+                                     seed=image_seed(self.seed, epoch, idx), shape=self.image_shape)
+            if not isinstance(image, torch.Tensor):  # a BadSample
+                return image
         return image, label
 
 
@@ -410,8 +412,8 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
                                              rank=env.rank, world_size=env.world_size)
     if device is not None:
         return (DeviceLoader(data.train, device, sampler=sampler, seed=seed, transform=train_tf, mix=mix,
-                             batched_crop_flip=batched), test, val)
-    dataset = ImageDataset(data.train, transform=train_tf, seed=seed)
+                             batched_crop_flip=batched, shape=shape), test, val)
+    dataset = ImageDataset(data.train, transform=train_tf, seed=seed, shape=shape)
     train = DataLoader(dataset, batch_sampler=sampler, collate_fn=functools.partial(_collate, shape),
                        **_loader_options(cfg.num_workers, env.cuda, seed))
     return AgreedLoader(train, limit=cfg.skip_bad_samples, mix=mix), test, val
@@ -421,8 +423,9 @@ def build_test_loader(split, cfg, env, device=None, split_name: str = "test", tr
     """Rank r scores images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
     shard = range(env.rank, len(split), env.world_size)
     if device is not None:
-        return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform)
-    dataset = ImageDataset(split, transform=transform, split=split_name)
+        return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform,
+                            split=split_name, shape=shape)
+    dataset = ImageDataset(split, transform=transform, split=split_name, shape=shape)
     options = _loader_options(cfg.num_workers, env.cuda)
     return AgreedLoader(DataLoader(dataset, batch_size=cfg.eval_batch, sampler=shard, **options,
                                    collate_fn=functools.partial(_collate, shape or dataset.image_shape)))
@@ -483,10 +486,12 @@ class DeviceLoader:
     `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
-                 seed: int = 0, transform=None, mix=None, batched_crop_flip: bool = False):
+                 seed: int = 0, transform=None, mix=None, batched_crop_flip: bool = False,
+                 split: str = "training", shape=None):
         self.sampler, self.batch_size, self.seed, self.mix = sampler, batch_size, seed, mix
         self.batch_sampler = sampler  # as DataLoader names it
-        self.transform = transform
+        self.transform, self.split = transform, split
+        self.shape = tuple(shape or data.images.shape[1:])  # what `transform` must return (check_transforms')
         self.pad = None
         images = data.images
         if batched_crop_flip:  # the default training transform (transform_checks.is_crop_flip), batched
@@ -509,8 +514,9 @@ class DeviceLoader:
         """The images `idx`, each through the transform with the torch loader's seed (or as they are)."""
         if self.transform is None:
             return self.images[idx]
-        return torch.stack([seeded(self.transform, (self.images[i],), image_seed(self.seed, epoch, i))
-                            for i in idx.tolist()])
+        from machinery.bad_samples import transform_image  # UserError if it does not return self.shape
+        return torch.stack([transform_image(self.transform, self.images[i], idx=i, split=self.split, shape=self.shape,
+                                            seed=image_seed(self.seed, epoch, i)) for i in idx.tolist()])
 
     def __iter__(self):
         if self.sampler is None:

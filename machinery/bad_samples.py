@@ -64,20 +64,56 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):
-    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given, else a BadSample saying why: an exception
-    in reading it (with where it was raised), or an image of another shape or type."""
+    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given (C, None, None: any size, as a transform
+    follows), else a BadSample saying why: an exception in reading it (with where it was raised), or an image of
+    another shape or type."""
     try:
         image, label = data[idx]
     except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
         return bad_sample(data, idx, split, describe_exception(e))
-    if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8
-                                  and tuple(image.shape) == shape):
-        got = (" x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
-               if isinstance(image, torch.Tensor) else type(image).__name__)
-        want = " x ".join(map(str, shape))
-        return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first",
-                          fix=f"make every image {want}: {resize_fix(data, shape)}")
+    if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3
+                                  and all(want in (None, got) for want, got in zip(shape, image.shape))):
+        want = f"{shape[0]} x H x W" if shape[1] is None else " x ".join(map(str, shape))
+        got = describe_image(image) if isinstance(image, torch.Tensor) else type(image).__name__
+        fix = (f"make every image {want}: {resize_fix(data, shape)}" if shape[1] is not None else
+               f"give every image {shape[0]} channel(s) in load_data (dataset_utils.image_folder's mode=)")
+        return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first", fix=fix)
     return image, label
+
+
+def transform_sample(data, idx: int, split: str, transform, image: torch.Tensor, seed: int, shape: tuple):
+    """`image` (sample `idx`) through `transform` with torch's generator seeded by `seed`: a uint8 image of `shape`
+    (the model's input), else a BadSample naming the transform and what it did."""
+    from machinery.hashing import seeded
+    which = "training" if split == "training" else "test"  # --val-size's samples take the test transform
+    what = f"the {which} transform (build_transforms in train_ddp.py)"
+    try:
+        out = seeded(transform, (image,), seed)
+    except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
+        return bad_sample(data, idx, split, f"{what} failed on its {describe_image(image)} image: "
+                          f"{describe_exception(e)}", fix=f"make {what} take every image")
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and tuple(out.shape) == tuple(shape)):
+        want = " x ".join(map(str, shape))
+        return bad_sample(data, idx, split, f"{what} returned {describe_image(out)} for its "
+                          f"{describe_image(image)} image, not the model's {want} uint8",
+                          fix=f"make it return {want} uint8 for every image (e.g. end with v2.Resize({shape[1]}) "
+                              f"and v2.CenterCrop(({shape[1]}, {shape[2]})))")
+    return out
+
+
+def transform_image(transform, image: torch.Tensor, *, idx: int, split: str, shape: tuple, seed: int):
+    """transform_sample for data held in memory, which are not skipped: UserError in place of a BadSample."""
+    out = transform_sample(None, idx, split, transform, image, seed=seed, shape=shape)
+    if not isinstance(out, torch.Tensor):
+        raise UserError(f"{out.describe()}; {out.fix}")
+    return out
+
+
+def describe_image(image) -> str:
+    """"3 x 32 x 32 uint8" for a tensor, else its type's name."""
+    if isinstance(image, torch.Tensor):
+        return " x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
+    return f"a {type(image).__module__}.{type(image).__name__}"
 
 
 def resize_fix(split, shape: tuple) -> str:

@@ -461,3 +461,54 @@ def test_docs_augmentation_example_resumes_bit_identical_and_trains_as_1_rank_wi
     assert first["train_samples"] == second["train_samples"] == 384
     for key in ("train_loss", "val_loss"):
         assert second[key] == pytest.approx(first[key], rel=1e-4), key
+
+
+PHOTO_TRANSFORMS = '''
+def build_transforms(cfg, data) -> tuple:
+    from torchvision.transforms import v2
+    train = v2.Compose([v2.RandomResizedCrop(28, scale=(0.5, 1)), v2.RandomHorizontalFlip()])
+    return train, v2.Compose([v2.Resize(28), v2.CenterCrop(28)]), None
+'''
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory):
+    """256 training and 64 test images of real Fashion-MNIST as PNG files, each of its own size (20 to 44 pixels
+    a side, as photos are), but the first of each class: 32 x 32, so that the transforms' start check passes."""
+    require_fashion_mnist()
+    from PIL import Image
+    root, sizes = tmp_path_factory.mktemp("photos"), torch.Generator().manual_seed(0)
+    for split, prefix, n in (("train", "train", 256), ("test", "t10k", 64)):
+        images = read_idx(os.path.join(FASHION, f"{prefix}-images-idx3-ubyte.gz"))[:n]
+        labels = read_idx(os.path.join(FASHION, f"{prefix}-labels-idx1-ubyte.gz"))[:n]
+        for i, (image, label) in enumerate(zip(images, labels)):
+            folder = root / split / f"class_{label}"
+            h, w = torch.randint(20, 45, (2,), generator=sizes).tolist() if folder.is_dir() else (32, 32)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image.numpy()).resize((w, h), Image.BILINEAR).save(folder / f"{i:05d}.png")
+    return root
+
+
+def test_photos_of_any_size_train_through_the_transforms_alone_and_one_they_mis_size_ends_every_rank_in_one_line(
+        tmp_path, photo_folder):
+    """build_transforms alone (no resize in load_data): RandomResizedCrop and a flip for training, Resize and
+    CenterCrop for the test, on 2 ranks: every image trains and is scored. A test transform of Resize alone, which
+    gives a photo of another aspect another size, ends the run at the evaluation in one line naming the file."""
+    run = [*TINY, "--data-dir", photo_folder, "--batch-size", 32, "--epochs", 1, "--workers", 1, "--loader", "torch",
+           "--device", "cpu", "--log-every", 0]
+    script = adapted_script(tmp_path / "code", load_data=FOLDER_LOAD_DATA, build_transforms=PHOTO_TRANSFORMS)
+    proc = run_adapted(script, [*run, "--out-dir", tmp_path / "run"])
+    assert ": 256 training and 64 test images of 1 x 32 x 32, 10 classes" in proc.stdout
+    assert "Input: the transforms make each image 1 x 28 x 28, the model's input (the first training image: " \
+           "1 x 32 x 32)" in proc.stdout
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert metrics["train_samples"] == 256 and metrics["val_count"] == 64, metrics
+
+    resize_alone = PHOTO_TRANSFORMS.replace("v2.Compose([v2.Resize(28), v2.CenterCrop(28)])", "v2.Resize(28)")
+    script = adapted_script(tmp_path / "resize", load_data=FOLDER_LOAD_DATA, build_transforms=resize_alone)
+    proc = run_adapted(script, [*run, "--out-dir", tmp_path / "refused"], check=False, torchrun=True)
+    assert proc.returncode != 0
+    line = assert_one_line(proc.stdout + proc.stderr, "the test transform (build_transforms in train_ddp.py) "
+                           "returned 1 x 28 x ", "not the model's 1 x 28 x 28 uint8; make it return 1 x 28 x 28 "
+                           "uint8 for every image (e.g. end with v2.Resize(28) and v2.CenterCrop((28, 28)))")
+    assert re.search(r"error: test sample \d+ \(\S+/test/class_\d/\d{5}\.png\): ", line), line

@@ -4,6 +4,7 @@ class without a word), and dataset_utils.image_folder, the README's reader, on w
 ._ files, notebook checkpoints, empty class folders, images of every PIL mode, 16-bit and EXIF-rotated ones.
 (The entry point on such a folder, on 2 ranks: e2e/test_adapt.py.)"""
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import dataset_utils as du
 from machinery import bad_samples
 from machinery import data_checks
 from machinery.errors import UserError
+from machinery.transform_checks import check_transforms
 
 
 def write_folder(root, classes, per_class=2, size=8):
@@ -190,30 +192,47 @@ def test_image_folder_resizes_images_of_other_sizes_to_the_size_asked(tmp_path):
     assert [tuple(du.image_folder(tmp_path)[i][0].shape) for i in range(2)] == [(3, 9, 12), (3, 7, 5)]  # as stored
 
 
-def test_splits_of_two_sizes_are_refused_naming_the_way_out_that_fits_the_data(tmp_path):
-    """Image folders: the reader's size= (the README's fix); a torchvision Dataset: a resize in its transform;
-    tensors load_data builds (ImageData): a resize of them. Each names the training images' size."""
+def default_crop(h, w):
+    """train_ddp.build_transforms' default for h x w images: a crop back to that size."""
+    return v2.Compose([v2.RandomCrop((h, w), padding=[w // 8, h // 8]), v2.RandomHorizontalFlip()])
+
+
+def test_splits_of_two_sizes_without_a_test_transform_are_refused_naming_the_way_out_that_fits_the_data(tmp_path):
+    """Image folders: the reader's size= (the README's fix); tensors load_data builds (ImageData): a resize of them;
+    either: a test transform. Each names the size the training transform gives. Two sizes alone are no error:
+    load_data's splits are measured (measure_data) before the transforms make them the model's size."""
     for split, (w, h) in (("train", (40, 36)), ("test", (44, 40))):  # PIL's (width, height)
         for name in ("a", "b"):
             (tmp_path / split / name).mkdir(parents=True)
             Image.new("RGB", (w, h), (200, 10, 10)).save(tmp_path / split / name / "x.png")
     classes = du.folder_classes(tmp_path / "train")
-    with pytest.raises(UserError) as folders:
-        du.measure_data(du.image_folder(tmp_path / "train", classes),
-                                 du.image_folder(tmp_path / "test", classes))
-    assert str(folders.value).endswith("both splits must hold images of one shape; give the test images the "
-                                       "training images' size: size=(36, 40) in both dataset_utils.image_folder "
-                                       "calls of load_data")
-    # read with the fix: one shape
+    folders = SimpleNamespace(train=du.image_folder(tmp_path / "train", classes),
+                              test=du.image_folder(tmp_path / "test", classes))
+    folders.train.mean, folders.train.std = (0.5,) * 3, (0.25,) * 3
+    spec = du.measure_data(folders.train, folders.test)
+    assert (spec.height, spec.width) == (36, 40)
+    with pytest.raises(UserError) as refused:
+        check_transforms(folders, default_crop(36, 40), None)
+    assert str(refused.value) == (
+        "the training transform (build_transforms in train_ddp.py) gives images of 3 x 36 x 40 but the test images "
+        "(no test transform) of 3 x 40 x 44 (channels x height x width): the model takes one size: size=(36, 40) in "
+        "both dataset_utils.image_folder calls of load_data; or a test transform giving it (e.g. v2.Resize(36) and "
+        "v2.CenterCrop((36, 40)))")
+    assert check_transforms(folders, default_crop(36, 40), v2.Compose([v2.Resize(36), v2.CenterCrop((36, 40))])
+                            ) == (3, 36, 40)
+    # read with the reader's fix: one shape
     assert {tuple(du.image_folder(tmp_path / split, classes, size=(36, 40))[0][0].shape)
             for split in ("train", "test")} == {(3, 36, 40)}
 
     def tensors(h, w):
         return du.ImageData(torch.zeros(2, 3, h, w, dtype=torch.uint8), torch.tensor([0, 1]))
     with pytest.raises(UserError) as in_memory:
-        du.measure_data(tensors(36, 40), tensors(40, 44))
+        check_transforms(SimpleNamespace(train=tensors(36, 40), test=tensors(40, 44)), default_crop(36, 40), None)
     assert "resize both splits' images to (36, 40) in load_data" in str(in_memory.value)
     assert "image_folder" not in str(in_memory.value)
+    with pytest.raises(UserError, match="both splits must have one number of channels; give both 3 in load_data"):
+        du.measure_data(tensors(36, 40), du.ImageData(torch.zeros(2, 1, 36, 40, dtype=torch.uint8),
+                                                      torch.tensor([0, 1])))
 
 
 def test_an_image_of_another_size_in_a_folder_is_named_with_the_reader_s_size_as_the_way_out(tmp_path):
@@ -223,3 +242,39 @@ def test_an_image_of_another_size_in_a_folder_is_named_with_the_reader_s_size_as
     bad = bad_samples.read_sample(du.image_folder(tmp_path), 1, "training", (3, 16, 16))
     assert bad.fix == ("make every image 3 x 16 x 16: size=(16, 16) in both dataset_utils.image_folder calls of "
                        "load_data")
+
+
+def test_photos_of_any_size_become_the_model_s_size_through_the_transforms_and_one_that_does_not_is_named(tmp_path):
+    """No resize in load_data: the training transform (RandomResizedCrop) and the test one (Resize, CenterCrop)
+    make every photo the model's size. Where the transform does not (Resize alone, on a photo of another aspect) or
+    fails (a crop larger than the photo), the sample is bad, named by its file, the transform and what it did."""
+    sizes = [(30, 20), (17, 33), (40, 40), (25, 25), (64, 48)]  # PIL's (width, height)
+    for i, size in enumerate(sizes):
+        (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
+        Image.new("RGB", size, (10 * i, 100, 200)).save(tmp_path / f"c{i % 2}" / f"{i}.png")
+    folder = du.image_folder(tmp_path)
+    train = v2.Compose([v2.RandomResizedCrop(16, scale=(0.5, 1)), v2.RandomHorizontalFlip()])
+    test = v2.Compose([v2.Resize(16), v2.CenterCrop(16)])
+    assert check_transforms(SimpleNamespace(train=folder, test=folder), train, test) == (3, 16, 16)
+    for split, transform in (("training", train), ("test", test)):
+        dataset = du.ImageDataset(folder, transform=transform, split=split, shape=(3, 16, 16))
+        assert [tuple(dataset[i][0].shape) for i in range(len(sizes))] == [(3, 16, 16)] * len(sizes)
+
+    def bad(transform, split="test"):
+        index = next(i for i, (path, _) in enumerate(folder.samples) if path.endswith("1.png"))  # 17 x 33
+        found = du.ImageDataset(folder, transform=transform, split=split, shape=(3, 16, 16))[index]
+        assert isinstance(found, bad_samples.BadSample) and found.file.endswith("1.png"), found
+        return found
+
+    resized = bad(v2.Resize(16))
+    assert resized.reason == ("the test transform (build_transforms in train_ddp.py) returned 3 x 31 x 16 uint8 "
+                              "for its 3 x 33 x 17 uint8 image, not the model's 3 x 16 x 16 uint8")
+    assert resized.fix == "make it return 3 x 16 x 16 uint8 for every image (e.g. end with v2.Resize(16) and " \
+                          "v2.CenterCrop((16, 16)))"
+    failed = bad(v2.RandomCrop(20), "training")
+    assert failed.reason.startswith("the training transform (build_transforms in train_ddp.py) failed on its "
+                                    "3 x 33 x 17 uint8 image: ValueError: "), failed.reason
+    # data held in memory are not skipped: the same said as the error
+    with pytest.raises(UserError, match=r"^training sample 4: the training transform .* returned 3 x 16 x 21 uint8"):
+        bad_samples.transform_image(v2.Resize(16), torch.zeros(3, 30, 40, dtype=torch.uint8), idx=4,
+                                    split="training", shape=(3, 16, 16), seed=0)

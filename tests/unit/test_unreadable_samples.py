@@ -40,6 +40,13 @@ def test_an_image_of_another_size_is_named_with_a_resize_as_the_way_out_and_a_su
     assert bad_samples.read_sample(Files(), 0, "training", (3, 8, 8))[0].shape == (3, 8, 8)
 
 
+def test_before_a_transform_any_size_reads_but_not_another_number_of_channels():
+    assert bad_samples.read_sample(Files(), 3, "training", (3, None, None))[0].shape == (3, 9, 8)
+    bad = bad_samples.read_sample(Files(), 3, "training", (1, None, None))
+    assert bad.reason == "an image of 3 x 9 x 8 uint8, not 1 x H x W uint8 like the first"
+    assert bad.fix == "give every image 1 channel(s) in load_data (dataset_utils.image_folder's mode=)"
+
+
 def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_split_and_never_skipped():
     kept, held = du.hold_out(Files(), 1)
     assert held.indices == [2] and kept.indices == [0, 1, 3, 4, 5]  # the fixed permutation holds sample 2 out
