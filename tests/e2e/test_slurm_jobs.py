@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch_forked, load_model_state,
-                     paused, read_json, read_jsonl, torchrun_root_cause, wait_for)
+                     paused, read_json, read_jsonl, torchrun_root_cause, wait_for, write_cifar100)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -374,6 +374,91 @@ def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command
     assert wait_job(again, again_log) == "COMPLETED", read(again_log)
     assert "Resumed from" in read(again_log) and "Training completed successfully." in read(again_log)
     assert_same_weights(out, signal_reference)
+
+
+@pytest.fixture
+def node_disks(slurm, tmp_path):
+    """mount(size): a tmpfs of `size` mounted at one path on each node, in each slurmd's mount namespace: each
+    node's own local disk, as each host has one. Returns the path (as the jobs see it) and each node's view of it
+    from here."""
+    mounted = []
+
+    def mount(size):
+        path = tmp_path / f"local-{size}"
+        path.mkdir()
+        views = {}
+        for node in NODE_ADDR:
+            pid = subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True,
+                                 text=True).stdout.split()[0]
+            proc = subprocess.run(["nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "-o", f"size={size}",
+                                   "tmpfs", str(path)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs on {node}: {proc.stderr.strip()}")
+            mounted.append((pid, path))
+            views[node] = Path(f"/proc/{pid}/root{path}")
+        return path, views
+    yield mount
+    for pid, path in mounted:
+        subprocess.run(["nsenter", "-t", pid, "-m", "umount", "-l", str(path)], capture_output=True)
+
+
+def cifar_tar(tmp_path) -> Path:
+    """A tar.gz of a (generated) cifar-100-python folder, as a user would pack their data for STAGE_DATA."""
+    write_cifar100(tmp_path / "shared", 320, 64, archive=False)
+    archive = tmp_path / "cifar.tar.gz"
+    subprocess.run(["tar", "-czf", archive, "-C", tmp_path / "shared", "cifar-100-python"], check=True)
+    return archive
+
+
+STAGED_TRAIN = [*SIGNAL_TRAIN[:2], "--dataset", "cifar100", "--train-size", 320, *SIGNAL_TRAIN[4:]]
+
+
+def test_stage_data_extracts_once_per_node_trains_on_the_copy_removes_it_and_a_requeue_stages_again(
+        slurm, tmp_path, node_disks):
+    """STAGE_DATA=a tar.gz on 2 nodes, each with a local disk of its own: one extraction per node, the run trained
+    on that copy (its --data-dir), requeued by the time-limit warning: staged again on each node; at the job's end
+    each node's copy is gone."""
+    archive, (local, views) = cifar_tar(tmp_path), node_disks("64m")
+    out = tmp_path / "run"
+    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
+                      [*STAGED_TRAIN, "--out-dir", out], env={"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(local)})
+    wait_for_line(job, log, TRAINING)
+    with paused(training_pids(out, log)):
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+        wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1")
+    assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
+    text, staged_dir = read(log), f"{local}/ddp-data-{job}"
+    assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
+    staged = re.findall(r"^=== (node\d): staged \S+ of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
+    assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
+    assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
+    assert text.count(f"Data: CIFAR-100 in {staged_dir}: 320 training and 64 test images") == 2  # both runs
+    assert read_json(out / "config.json")["data"] == f"CIFAR-100 in {staged_dir}"
+    assert all(not os.listdir(view) for view in views.values())  # each node's copy removed
+
+
+def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_before_training_in_one_line(
+        slurm, tmp_path, node_disks):
+    archive = cifar_tar(tmp_path)
+    truncated = tmp_path / "truncated.tar.gz"
+    truncated.write_bytes(archive.read_bytes()[:archive.stat().st_size // 2])
+    (small, _), (large, views) = node_disks("64k"), node_disks("64m")
+    assert archive.stat().st_size > 64 * 1024
+    for name, env, says in (
+            ("small", {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)},
+             rf"{small} has \d+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: ask for a node with more "
+             rf"local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset STAGE_DATA"),
+            ("truncated", {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)},
+             rf"STAGE_DATA {truncated} does not extract \(.+\): a truncated or corrupt archive\? check it with "
+             rf"tar -tf, and copy it again")):
+        (tmp_path / name).mkdir()
+        job, log = sbatch("multinode.sh", tmp_path / name, ["--nodes=2", "--gpus-per-node=1"],
+                          [*STAGED_TRAIN, "--out-dir", tmp_path / name / "run"], env=env)
+        assert wait_job(job, log) == "FAILED", read(log)
+        errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and re.fullmatch(rf"error: staging failed on node\d: {says}", errors[0]), errors
+        assert "Training started" not in read(log)
+    assert all(not os.listdir(view) for view in views.values())  # the partial extraction removed
 
 
 def test_preflight_job_checks_both_nodes(slurm, tmp_path):
