@@ -166,7 +166,7 @@ stage_data() {
         exit 2
     fi
     if [[ -d "$STAGE_DATA" ]]; then
-        size=$(du -sb "$STAGE_DATA" | cut -f1)
+        size=$(du -s --block-size=1 "$STAGE_DATA" | cut -f1)  # on disk: small files take a block each
     elif [[ -f "$STAGE_DATA" && -r "$STAGE_DATA" ]]; then
         size=$(stat -c %s "$STAGE_DATA")
     else

@@ -24,6 +24,9 @@ fail() {
     rm -rf "$dest"
     exit 2
 }
+no_space() {
+    fail "$(dirname "$dest") ran out of space while staging STAGE_DATA $src (it takes more than the $(human "$need") checked: small files take a disk block each): ask for a node with more local disk (#SBATCH --tmp=<size>, where the cluster grants it), or unset STAGE_DATA"
+}
 mkdir -p "$dest" 2>/dev/null || fail "cannot create $dest on the node's local disk: is $(dirname "$dest") there and writable?"
 free=$(df -B1 --output=avail "$dest" | tail -n 1 | tr -d ' ')
 if [[ "$free" =~ ^[0-9]+$ ]] && (( free < need )); then
@@ -31,11 +34,12 @@ if [[ "$free" =~ ^[0-9]+$ ]] && (( free < need )); then
 fi
 start=$(date +%s%N)
 if [[ -d "$src" ]]; then
-    out=$(cp -a "$src"/. "$dest"/ 2>&1) || fail "copying STAGE_DATA $src into $dest failed (${out##*$'\n'})"
+    out=$(cp -a "$src"/. "$dest"/ 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
+        fail "copying STAGE_DATA $src into $dest failed (${out##*$'\n'})"; }
 else
     # GNU tar recognises gzip, bzip2, xz and zstd itself; a truncated or corrupt archive fails here, before training
-    out=$(tar -xf "$src" -C "$dest" 2>&1) ||
-        fail "STAGE_DATA $src does not extract (${out##*$'\n'}): a truncated or corrupt archive? check it with tar -tf, and copy it again"
+    out=$(tar -xf "$src" -C "$dest" 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
+        fail "STAGE_DATA $src does not extract (${out##*$'\n'}): a truncated or corrupt archive? check it with tar -tf, and copy it again"; }
 fi
 seconds=$(( ($(date +%s%N) - start) / 1000000 ))
-echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s"
+echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") in $(find "$dest" -type f | wc -l) files of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s"

@@ -429,7 +429,7 @@ def test_stage_data_extracts_once_per_node_trains_on_the_copy_removes_it_and_a_r
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text, staged_dir = read(log), f"{local}/ddp-data-{job}"
     assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
-    staged = re.findall(r"^=== (node\d): staged \S+ of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
+    staged = re.findall(r"^=== (node\d): staged \S+ in 3 files of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
     assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
     assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
     assert text.count(f"Data: CIFAR-100 in {staged_dir}: 320 training and 64 test images") == 2  # both runs
