@@ -335,13 +335,14 @@ class ImageDataset(Dataset):
     def __init__(self, data, transform=None, seed: int = 0, split: str = "training", shape=None):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
         self.in_memory = isinstance(data, ImageData)
-        if self.in_memory:
-            first = tuple(data.images.shape[1:])
-        else:  # the workers read it: a sample that does not read comes as a BadSample
+        first, any_size = tuple(data.images.shape[1:]) if self.in_memory else None, False
+        if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
             from machinery.bad_samples import first_readable
+            from machinery.transform_checks import is_crop_flip  # the default crop: for images of the data's size
             first = tuple(first_readable(data, split)[0][0].shape)
+            any_size = transform is not None and not is_crop_flip(transform, first)  # photos through your transform
         self.image_shape = tuple(shape or first) if transform is not None else first
-        self.read_shape = first if transform is None else (first[0], None, None)  # a transform takes any size
+        self.read_shape = (first[0], None, None) if any_size else first
 
     def __len__(self):
         return len(self.data)
