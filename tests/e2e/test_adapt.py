@@ -223,19 +223,27 @@ def load_data(cfg, env, train: bool = True):
 '''
 
 
-@pytest.fixture(scope="module")
-def png_folder(tmp_path_factory):
-    """600 training and 200 test images of real Fashion-MNIST, as PNG files in an ImageFolder."""
+def write_fashion_pngs(root, n_train: int, n_test: int, to_image=None):
+    """Real Fashion-MNIST's first n_train training and n_test test images as PNG files,
+    root/{train,test}/class_<label>/<i:05d>.png; `to_image(image, first)` makes each PIL image from the uint8 tensor
+    (first: the first of its class folder), by default the image as it is."""
     require_fashion_mnist()
     from PIL import Image
-    root = tmp_path_factory.mktemp("pngs")
-    for split, prefix, n in (("train", "train", 600), ("test", "t10k", 200)):
+    for split, prefix, n in (("train", "train", n_train), ("test", "t10k", n_test)):
         images = read_idx(os.path.join(FASHION, f"{prefix}-images-idx3-ubyte.gz"))[:n]
         labels = read_idx(os.path.join(FASHION, f"{prefix}-labels-idx1-ubyte.gz"))[:n]
         for i, (image, label) in enumerate(zip(images, labels)):
-            os.makedirs(root / split / f"class_{label}", exist_ok=True)
-            Image.fromarray(image.numpy()).save(root / split / f"class_{label}" / f"{i:05d}.png")
+            folder = root / split / f"class_{label}"
+            first = not folder.is_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            (to_image(image, first) if to_image else Image.fromarray(image.numpy())).save(folder / f"{i:05d}.png")
     return root
+
+
+@pytest.fixture(scope="module")
+def png_folder(tmp_path_factory):
+    """600 training and 200 test images of real Fashion-MNIST, as PNG files in an ImageFolder."""
+    return write_fashion_pngs(tmp_path_factory.mktemp("pngs"), 600, 200)
 
 
 def test_image_folder_loader_yields_every_sample_once_per_epoch(tmp_path, png_folder):
@@ -447,17 +455,9 @@ def docs_blocks(marker: str) -> list:
 @pytest.fixture(scope="module")
 def png36_folder(tmp_path_factory):
     """384 training and 64 test images of real Fashion-MNIST, zero-padded to 36 x 36, as PNG files."""
-    require_fashion_mnist()
     from PIL import Image
-    root = tmp_path_factory.mktemp("pngs36")
-    for split, prefix, n in (("train", "train", 384), ("test", "t10k", 64)):
-        images = read_idx(os.path.join(FASHION, f"{prefix}-images-idx3-ubyte.gz"))[:n]
-        labels = read_idx(os.path.join(FASHION, f"{prefix}-labels-idx1-ubyte.gz"))[:n]
-        for i, (image, label) in enumerate(zip(images, labels)):
-            os.makedirs(root / split / f"class_{label}", exist_ok=True)
-            padded = torch.nn.functional.pad(image, (4, 4, 4, 4))
-            Image.fromarray(padded.numpy()).save(root / split / f"class_{label}" / f"{i:05d}.png")
-    return root
+    return write_fashion_pngs(tmp_path_factory.mktemp("pngs36"), 384, 64, lambda image, first: Image.fromarray(
+        torch.nn.functional.pad(image, (4, 4, 4, 4)).numpy()))
 
 
 def test_docs_augmentation_example_resumes_bit_identical_and_trains_as_1_rank_with_2_micro_steps(tmp_path,
@@ -509,18 +509,13 @@ def build_transforms(cfg, data) -> tuple:
 def photo_folder(tmp_path_factory):
     """256 training and 64 test images of real Fashion-MNIST as PNG files, each of its own size (20 to 44 pixels
     a side, as photos are), but the first of each class: 32 x 32, so that the transforms' start check passes."""
-    require_fashion_mnist()
     from PIL import Image
-    root, sizes = tmp_path_factory.mktemp("photos"), torch.Generator().manual_seed(0)
-    for split, prefix, n in (("train", "train", 256), ("test", "t10k", 64)):
-        images = read_idx(os.path.join(FASHION, f"{prefix}-images-idx3-ubyte.gz"))[:n]
-        labels = read_idx(os.path.join(FASHION, f"{prefix}-labels-idx1-ubyte.gz"))[:n]
-        for i, (image, label) in enumerate(zip(images, labels)):
-            folder = root / split / f"class_{label}"
-            h, w = torch.randint(20, 45, (2,), generator=sizes).tolist() if folder.is_dir() else (32, 32)
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image.numpy()).resize((w, h), Image.BILINEAR).save(folder / f"{i:05d}.png")
-    return root
+    sizes = torch.Generator().manual_seed(0)
+
+    def resized(image, first):
+        h, w = (32, 32) if first else torch.randint(20, 45, (2,), generator=sizes).tolist()
+        return Image.fromarray(image.numpy()).resize((w, h), Image.BILINEAR)
+    return write_fashion_pngs(tmp_path_factory.mktemp("photos"), 256, 64, resized)
 
 
 def test_photos_of_any_size_train_through_the_transforms_alone_and_one_they_mis_size_ends_every_rank_in_one_line(
