@@ -371,40 +371,6 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
                                                          "classes")
 
 
-COUNTED_LOAD_DATA = '''
-def load_data(cfg, env, train: bool = True):
-    """The README's image-folder load_data, each os.scandir of a folder in --data-dir written to $SCANDIR_LOG.rank."""
-    import sys
-
-    def count(event, args):
-        if event == "os.scandir" and str(args[0]).startswith(str(cfg.data_dir)):
-            with open(f"{os.environ['SCANDIR_LOG']}.{env.rank}", "a") as f:
-                f.write(f"{args[0]}\\n")
-    sys.addaudithook(count)
-    return readme_load_data(cfg, env, train)
-'''
-
-
-def test_an_image_folder_is_listed_once_per_job_by_rank_0_not_by_every_rank(tmp_path, png_folder):
-    """The README's image-folder load_data on 4 ranks: rank 0 lists each class folder of both splits once, the
-    other ranks list none (they get rank 0's list through the process group), and all train on every sample."""
-    readme = readme_load_data("image folders").replace("def load_data(", "def readme_load_data(")
-    script = adapted_script(tmp_path / "code", load_data=readme + "\n\n" + COUNTED_LOAD_DATA)
-    counted, out = tmp_path / "scandir", tmp_path / "run"
-    proc = run_adapted(script, [*FOLDER_RUN, "--epochs", 1, "--workers", 0, "--data-dir", png_folder,
-                                "--out-dir", out], nproc=4, env={"SCANDIR_LOG": str(counted)})
-    listed = {rank: (open(f"{counted}.{rank}").read().split() if os.path.exists(f"{counted}.{rank}") else [])
-              for rank in range(4)}
-    assert listed[1] == listed[2] == listed[3] == [], listed
-    class_folders = sorted(str(d) for split in ("train", "test") for d in (png_folder / split).iterdir())
-    assert sorted(f for f in listed[0] if f.count("/class_")) == class_folders  # each once
-    for split, n in (("train", 600), ("test", 200)):
-        assert f"{png_folder}/{split}: {n} files listed in " in proc.stdout
-        assert "s by rank 0, for all 4 ranks" in proc.stdout
-    metrics = read_jsonl(out / "metrics.jsonl")[0]
-    assert metrics["train_samples"] == 600 and metrics["val_count"] == 200, metrics
-
-
 # --------------------------------------------------------------------------- another model
 
 SMALL_CNN = '''

@@ -410,31 +410,70 @@ def cifar_tar(tmp_path) -> Path:
     return archive
 
 
-STAGED_TRAIN = [*SIGNAL_TRAIN[:2], "--dataset", "cifar100", "--train-size", 320, *SIGNAL_TRAIN[4:]]
+# What each rank of the image-folder job below opens and lists under the folders $READS_UNDER names, written to
+# $READS_LOG.<rank>: "open <path>" for each file, "list <folder>" for each os.scandir (the audit hook sees the rank's
+# own reads: no loader workers).
+COUNTED_READS = '''
+def load_data(cfg, env, train: bool = True):
+    """The README's image-folder load_data, with each file opened and each folder listed written down."""
+    import sys
+    watched = tuple(os.environ["READS_UNDER"].split(os.pathsep))
+
+    def count(event, args):
+        if event in ("open", "os.scandir") and isinstance(args[0], str) and args[0].startswith(watched):
+            with open(f"{os.environ['READS_LOG']}.{env.rank}", "a") as f:
+                f.write(f"{'open' if event == 'open' else 'list'} {args[0]}\\n")
+    sys.addaudithook(count)
+    return readme_load_data(cfg, env, train)
+'''
 
 
-def test_stage_data_extracts_once_per_node_trains_on_the_copy_removes_it_and_a_requeue_stages_again(
+def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there_and_removed_each_run(
         slurm, tmp_path, node_disks):
-    """STAGE_DATA=a tar.gz on 2 nodes, each with a local disk of its own: one extraction per node, the run trained
-    on that copy (its --data-dir), requeued by the time-limit warning: staged again on each node; at the job's end
-    each node's copy is gone."""
-    archive, (local, views) = cifar_tar(tmp_path), node_disks("64m")
-    out = tmp_path / "run"
-    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=1"],
-                      [*STAGED_TRAIN, "--out-dir", out], env={"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(local)})
-    wait_for_line(job, log, TRAINING)
+    """STAGE_DATA=a tar of real Fashion-MNIST PNG folders, on 2 nodes x 2 ranks, each node with a local disk of its
+    own, trained with the README's image-folder reader and requeued by the time-limit warning. In each of the 2
+    runs: one extraction per node; rank 0 lists each class folder once, the 3 others none; the ranks open every
+    image in the staged copy and none on shared storage; at each run's end each node's copy is gone."""
+    from test_adapt import adapted_script, readme_load_data, write_fashion_pngs
+    shared = write_fashion_pngs(tmp_path / "shared", 640, 128)
+    archive, (local, views) = tmp_path / "pngs.tar", node_disks("64m")
+    subprocess.run(["tar", "-cf", archive, "-C", shared, "train", "test"], check=True)
+    project = tmp_path / "project"  # the adapted train_ddp.py beside the project's jobs/, as a user's copy
+    readme = readme_load_data("image folders").replace("def load_data(", "def readme_load_data(")
+    adapted_script(project, load_data=readme + "\n\n" + COUNTED_READS)
+    (project / "jobs").symlink_to(os.path.join(ROOT, "jobs"))
+    out, reads = tmp_path / "run", tmp_path / "reads"
+    env = {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(local), "PROJECT_DIR": str(project),
+           "READS_LOG": str(reads), "READS_UNDER": os.pathsep.join([str(shared), str(local)]),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
+                      [*TINY, *CPU, "--batch-size", 32, "--epochs", 2, "--loader", "torch", "--log-every", 1,
+                       "--out-dir", out], env=env)
+    wait_for_line(job, log, "step 2/")
     with paused(training_pids(out, log)):
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
         wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1")
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text, staged_dir = read(log), f"{local}/ddp-data-{job}"
     assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
-    staged = re.findall(r"^=== (node\d): staged \S+ in 3 files of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
+    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
     assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
     assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
-    assert text.count(f"Data: CIFAR-100 in {staged_dir}: 320 training and 64 test images") == 2  # both runs
-    assert read_json(out / "config.json")["data"] == f"CIFAR-100 in {staged_dir}"
-    assert all(not os.listdir(view) for view in views.values())  # each node's copy removed
+    removed = re.findall(rf"^=== (node\d): removed the staged copy {staged_dir}$", text, re.M)
+    assert sorted(removed) == ["node1", "node1", "node2", "node2"], text
+    assert all(not os.listdir(view) for view in views.values())
+    assert read_json(out / "config.json")["data_dir"] == staged_dir
+
+    logged = {rank: open(f"{reads}.{rank}").read().splitlines() for rank in range(4)}
+    class_folders = [f"{staged_dir}/{split}/{d.name}" for split in ("train", "test")
+                     for d in sorted((shared / split).iterdir())]
+    assert sorted(line for line in logged[0] if line.startswith("list ") and "/class_" in line) == sorted(
+        f"list {folder}" for folder in class_folders * 2)  # once per run
+    assert not any(line.startswith("list ") for rank in (1, 2, 3) for line in logged[rank])
+    opened = {line[5:] for lines in logged.values() for line in lines if line.startswith("open ")}
+    images = {str(f) for f in shared.rglob("*.png")}
+    assert {f.replace(staged_dir, str(shared), 1) for f in opened if f.startswith(staged_dir)} == images
+    assert not any(f.startswith(str(shared)) or f == str(archive) for f in opened)
 
 
 def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_before_training_in_one_line(
@@ -446,8 +485,9 @@ def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_befor
     assert archive.stat().st_size > 64 * 1024
     for name, env, says in (
             ("small", {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)},
-             rf"{small} has \d+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: ask for a node with more "
-             rf"local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset STAGE_DATA"),
+             rf"{small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: ask for a node with more "
+             rf"local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset STAGE_DATA to read the "
+             rf"data where they are"),
             ("truncated", {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)},
              rf"STAGE_DATA {truncated} does not extract \(.+\): a truncated or corrupt archive\? check it with "
              rf"tar -tf, and copy it again")):
