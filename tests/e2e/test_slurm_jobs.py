@@ -476,27 +476,42 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
     assert not any(f.startswith(str(shared)) or f == str(archive) for f in opened)
 
 
+STAGED_TRAIN = [*TRAIN[2:], "--dataset", "cifar100"]  # the data: the staged archive's
+
+
 def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_before_training_in_one_line(
         slurm, tmp_path, node_disks):
+    """Each refusal ends the job before training with one line: a node's local disk with less free space than the
+    archive, an archive that does not extract (each staged on 2 nodes); no node-local directory, and STAGE_DATA
+    beside --data-dir (refused by the batch script itself, in multigpu.sh and srun_direct.sh)."""
     archive = cifar_tar(tmp_path)
     truncated = tmp_path / "truncated.tar.gz"
     truncated.write_bytes(archive.read_bytes()[:archive.stat().st_size // 2])
     (small, _), (large, views) = node_disks("64k"), node_disks("64m")
     assert archive.stat().st_size > 64 * 1024
-    for name, env, says in (
-            ("small", {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)},
-             rf"{small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: ask for a node with more "
-             rf"local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset STAGE_DATA to read the "
-             rf"data where they are"),
-            ("truncated", {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)},
-             rf"STAGE_DATA {truncated} does not extract \(.+\): a truncated or corrupt archive\? check it with "
-             rf"tar -tf, and copy it again")):
+    two_nodes = ("multinode.sh", ["--nodes=2", "--gpus-per-node=1"])
+    for name, (script, request), env, args, says in (
+            ("small", two_nodes, {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)}, [],
+             rf"staging failed on node\d: {small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: "
+             rf"ask for a node with more local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset "
+             rf"STAGE_DATA to read the data where they are"),
+            ("truncated", two_nodes, {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)}, [],
+             rf"staging failed on node\d: STAGE_DATA {truncated} does not extract \(.+\): a truncated or corrupt "
+             rf"archive\? check it with tar -tf, and copy it again"),
+            ("nowhere", ("multigpu.sh", ["--gpus=1"]), {"STAGE_DATA": str(archive)}, [],
+             r"STAGE_DATA is set, but there is no node-local directory to stage into: this cluster sets no "
+             r"SLURM_TMPDIR; set LOCAL_DATA_DIR to the nodes' local disk \(/tmp, /localscratch, ...\), or unset "
+             r"STAGE_DATA"),
+            ("both", ("srun_direct.sh", ["--ntasks-per-node=1", "--gpus-per-task=1"]),
+             {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(large)}, ["--data-dir", tmp_path],
+             r"STAGE_DATA and a data directory \(DATA_DIR, --data-dir\) are both given: the job trains on the staged "
+             r"copy of STAGE_DATA; give one of them")):
         (tmp_path / name).mkdir()
-        job, log = sbatch("multinode.sh", tmp_path / name, ["--nodes=2", "--gpus-per-node=1"],
-                          [*STAGED_TRAIN, "--out-dir", tmp_path / name / "run"], env=env)
+        job, log = sbatch(script, tmp_path / name, request, [*STAGED_TRAIN, *args, "--out-dir", tmp_path / name],
+                          env={"SLURM_TMPDIR": "", **env})  # no SLURM_TMPDIR from this host: LOCAL_DATA_DIR decides
         assert wait_job(job, log) == "FAILED", read(log)
         errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and re.fullmatch(rf"error: staging failed on node\d: {says}", errors[0]), errors
+        assert len(errors) == 1 and re.fullmatch(f"error: {says}", errors[0]), (name, errors, read(log))
         assert "Training started" not in read(log)
     assert all(not os.listdir(view) for view in views.values())  # the partial extraction removed
 
