@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=4 bench.py --compile --compare-original   # GPUs
     python bench.py --cpu-checks                                                      # CPU, about 2 minutes
+    torchrun --standalone --nproc_per_node=4 bench.py --loader-check <the run's flags>  # does the loader keep up?
 
 The headline (img/s global and per GPU, step time) times the recipe itself: train_ddp.train_one_epoch (the
 LR, train_ddp.train_step, the loss sums, the ranks' stop check every 10 steps) over an epoch of --steps
@@ -21,6 +22,12 @@ tensor augmentation against the PIL per-sample path, per core, and the recipe's 
 in CPU time, with a decision against the 3% target (--profile: where the extra time goes). It runs
 WRN-10-1 at batch 64 unless --depth, --widen-factor or --batch-size say otherwise.
 
+--loader-check reads batches from --data-dir through the run's own load_data, build_transforms, --loader and
+--workers (train_ddp.py's defaults, not bench.py's: give the run's flags), copied to the device and nothing else,
+on every rank at once; then it times the recipe's step on images of the model's input size already on the device.
+It says how many images per second the loader delivers against what the step consumes and, when it falls short,
+the fixes that fit the run (more --workers, the data staged on each node's local disk, the device loader).
+
 SIGTERM (timeout, scancel, torchrun) and Ctrl-C stop it at once: one line on stderr, exit status 128 + the
 signal's number (143, 130).
 """
@@ -29,6 +36,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -47,6 +55,7 @@ from machinery.timing import Clock
 from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.cpu_checks import cpu_checks, report_cpu_checks
+from tools.loader_check import cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict
 from tools.original_script import original_batches, original_steps
 
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
@@ -66,20 +75,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def get_args_parser():
-    """train_ddp.py's flags (config.py's parser), with BENCH_DEFAULTS, and bench.py's own after them."""
+def get_args_parser(loader_check: bool = False):
+    """train_ddp.py's flags (config.py's parser), with BENCH_DEFAULTS unless for --loader-check (the run's
+    flags, with train_ddp.py's defaults), and bench.py's own after them."""
     p = config.get_args_parser()
     p.description, p.formatter_class = __doc__.split("\n")[0], HelpFormatter
     p.epilog = ("train_ddp.py's flags make the step timed as they make training's, on synthetic data in "
                 "memory (--dataset synthetic only; --train-size: how many, 0 for CIFAR-100's 50,000): "
                 "those of files and evaluation (--data-dir, --out-dir, --evaluate, --tensorboard, ...) do "
-                "nothing here. Defaults unlike train_ddp.py's: --depth, --widen-factor, --batch-size, "
-                "--workers, --loader and --dataset (their help says which); --profile is bench.py's own.")
+                "nothing here but with --loader-check, where every flag is the run's. Defaults unlike "
+                "train_ddp.py's (but with --loader-check): --depth, --widen-factor, --batch-size, --workers, "
+                "--loader and --dataset (their help says which); --profile is bench.py's own.")
     for action in p._actions:
-        if (dest := action.dest) in BENCH_DEFAULTS:
+        if (dest := action.dest) in BENCH_DEFAULTS and not loader_check:
             shape = f"{SHAPE_DEFAULTS.get(dest)}; {CPU_CHECK_DEFAULTS.get(dest)} with --cpu-checks"
             action.help += f" (default: {BENCH_DEFAULTS[dest] or shape}; train_ddp.py's: {action.default})"
-    p.set_defaults(**BENCH_DEFAULTS)
+    if not loader_check:
+        p.set_defaults(**BENCH_DEFAULTS)
     # "resolve": bench.py's --profile replaces train_ddp.py's (a trace of training steps into its out-dir).
     add = p.add_argument_group("bench.py's own", conflict_handler="resolve").add_argument
     add("--steps", type=int, default=50, help="timed steps")
@@ -96,6 +108,8 @@ def get_args_parser():
         "(torch.profiler) and print where their time goes (not train_ddp.py's --profile)")
     add("--augment-share", action="store_true", help="the modern recipe's augmentation (TrivialAugment, "
         "random erasing, mixup/cutmix): the step with and without it, and its loader alone, on both loaders")
+    add("--loader-check", action="store_true", help="read batches from --data-dir with the run's loader and "
+        "workers, and say whether they keep up with the step (give the run's flags: train_ddp.py's defaults)")
     add("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
     return p
 
@@ -239,6 +253,60 @@ def augment_share(args, env, data: du.ImageData) -> dict:
             "queue behind the step, so the step ratio is the cost that counts)", **rows}
 
 
+# ----------------------------------------------------------------------------- does the loader keep up?
+
+def loader_check(args, env) -> dict:
+    """The run's training loader read on every rank at once without training (tools/loader_check.read_rate), then
+    the recipe's step on images of the model's input size already on the device; the verdict, and its fixes."""
+    cfg = recipe_config(args, env, dataset=args.dataset)
+    data = du.load_checked_data(train_ddp.load_data, cfg, env, None)
+    loader, _, _ = du.build_loaders(data, cfg, env, transforms=train_ddp.build_transforms(cfg, data.spec))
+    in_memory, device_loader = isinstance(data.train, du.ImageData), data.device is not None
+    workers = ("the device loader" if device_loader else
+               f"{cfg.num_workers} DataLoader worker{'s' if cfg.num_workers != 1 else ''} per rank")
+    fs = file_system(cfg.data_dir)
+    log(f"loader check: {workers} read {data.source}{'' if in_memory else f' (on {fs})'}, {cfg.per_rank_batch} "
+        f"images per rank and step, {args.steps} steps after {args.warmup} untimed")
+    read = read_rate(loader, env.device, warmup=args.warmup * cfg.per_rank_batch,
+                     images=args.steps * cfg.per_rank_batch)
+    del loader
+    rates = all_gather((read["images"] / read["seconds"], platform.node(), os.sched_getaffinity(0)))
+    # The step, fed from memory: --steps of distinct images (at most 1 GiB of them), as the loader shapes them.
+    channels, height, width = read["shape"]
+    n = max(1, min(args.steps, 2**30 // (cfg.batch_size * channels * height * width))) * cfg.batch_size
+    step_cfg = recipe_config(args, env, loader="gpu", workers=0)
+    images = du.ImageData(torch.randint(0, 256, (n, channels, height, width), dtype=torch.uint8),
+                          torch.randint(0, data.spec.num_classes, (n,)), num_classes=data.spec.num_classes)
+    spec = dataclasses.replace(data.spec, channels=channels, height=height, width=width)
+    checked = utils.CheckedData(images, images, spec, {}, du.loader_device(step_cfg, env, images, images))
+    training = train_ddp.build_training(step_cfg, env, dataclasses.replace(checked, train=None))
+    training.train_loader = du.build_loaders(checked, step_cfg, env)[0]  # no transform: the images as they are
+    loop, clock = TrainSteps(wrap(training.model, args, env, args.compile), training, step_cfg), Clock(env.device)
+    loop.run(args.warmup)
+    start = clock.mark()
+    loop.run(args.steps)
+    step_s = clock.seconds(start, clock.mark()) / args.steps
+    per_rank = [rate for rate, _, _ in rates]
+    verdict = judge(read_per_rank=per_rank, step_s=step_s, per_rank_batch=cfg.per_rank_batch,
+                    overlapped=not device_loader and cfg.num_workers > 0)
+    cpus = cpus_per_rank([(host, cpus) for _, host, cpus in rates], platform.node())
+    fixes = name_fixes(device_loader=device_loader, workers=cfg.num_workers, cpus=cpus, in_memory=in_memory,
+                       data_dir=cfg.data_dir, fs=fs)
+    slowest = min(range(env.world_size), key=per_rank.__getitem__)
+    consumed = cfg.per_rank_batch / step_s
+    log(f"loader check: the loader delivers {statistics.median(per_rank):.0f} img/s per rank (the median; the "
+        f"slowest: rank {slowest} on {rates[slowest][1]}, {per_rank[slowest]:.0f}), {sum(per_rank):.0f} img/s in all")
+    log(f"loader check: the step consumes {consumed:.0f} img/s per rank, {consumed * env.world_size:.0f} img/s in "
+        f"all ({env.world_size} {env.device.type} process(es), the images already on the device)")
+    log(say_verdict(verdict, fixes))
+    return {"loader": workers, "data": data.source, "file_system": fs, "images_per_s_per_rank": per_rank,
+            "hosts": [host for _, host, _ in rates], "cpus_per_rank": cpus, "step_s": step_s,
+            "step_images_per_s_per_rank": consumed, **verdict, "fixes": [] if verdict["keeps_up"] else fixes,
+            "what": "images per second per rank: the training loader's batches copied to the device, after "
+            "`warmup` untimed steps, all ranks at once; the step: the recipe's train_one_epoch on images of the "
+            "model's input size already on the device (no loader cost); wait_share: the step's predicted wait"}
+
+
 # ----------------------------------------------------------------------------- the original script's pipeline
 
 def bench_original(args, env, cfg, data, checked) -> dict:
@@ -282,7 +350,7 @@ def main(args):
     for name, least in (("steps", 1), ("warmup", 0), ("rounds", 1)):  # this script's own flags
         if getattr(args, name) < least:
             raise UserError(f"--{name} must be at least {least}, got {getattr(args, name)}")
-    if args.dataset != "synthetic":  # bench_data and the CPU checks make their own images
+    if args.dataset != "synthetic" and not args.loader_check:  # bench_data and the CPU checks make their own
         raise UserError("bench.py times the step on synthetic images in memory: leave --dataset out")
     env = train_ddp.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
     torch.backends.cudnn.benchmark = True
@@ -297,7 +365,9 @@ def main(args):
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
                   "amp_dtype": str(cfg.amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
-        if args.augment_share:
+        if args.loader_check:
+            result["loader_check"] = loader_check(args, env)
+        elif args.augment_share:
             result["augment_share"] = augment_share(args, env, bench_images(args))
         elif args.cpu_checks:
             log(f"cpu checks: WRN-{args.depth}-{args.widen_factor}, batch {args.batch_size}, {args.rounds} "
@@ -336,4 +406,5 @@ def main(args):
 
 if __name__ == "__main__":
     # SIGTERM and Ctrl-C: out at once in one line; bad input: one line; --recipe NAME as in train_ddp.py.
-    sys.exit(run_tool(main, get_args_parser(), config.RECIPES))
+    # --loader-check reads the run's data with the run's flags: train_ddp.py's defaults, not bench.py's
+    sys.exit(run_tool(main, get_args_parser(loader_check="--loader-check" in sys.argv), config.RECIPES))

@@ -406,7 +406,7 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
 def log_epoch(metrics: dict, epochs: int, *, top5: bool = True) -> None:
     """The original script's four lines per epoch (top-5 left out where `top5` is false: 5 classes or fewer,
     where it is always 1); then, where they apply, the peak GPU memory, the rank that held the others back,
-    and fp16's skipped steps."""
+    a loader that does not keep up, and fp16's skipped steps."""
     log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
     log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
     log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
@@ -430,6 +430,9 @@ def log_epoch(metrics: dict, epochs: int, *, top5: bool = True) -> None:
     if metrics.get("slow_rank"):
         log(f"warning: one rank held the others back: {metrics['slow_rank']} (each rank's split: "
             f"rank_times in metrics.jsonl)")
+    if metrics.get("input_bound"):
+        log(f"warning: the loader does not keep up: {metrics['input_bound']}: more --workers, the data on each "
+            f"node's local disk (STAGE_DATA, jobs/README.md), or --loader gpu for data that fit in memory")
     if metrics.get("nonfinite_samples"):
         log(f"warning: {metrics['nonfinite_samples']} samples had a non-finite fp16 loss; the scaler skipped "
             f"their steps")

@@ -6,6 +6,7 @@
 #   LAUNCH           the command prefix: empty, or `apptainer exec --nv ...` when CONTAINER is set
 #   NPROC, MASTER_ADDR, MASTER_PORT   ranks per node, and where torchrun's ranks meet
 #   run_requeueable  run the training; Slurm's signals checkpoint it, then USR1 requeues and TERM ends the job
+#   stage_data       STAGE_DATA=data.tar: the data copied once to each node's local disk, and trained on there
 # shellcheck shell=bash disable=SC2034  # LAUNCH, NPROC, MASTER_* are used by the scripts that source this
 
 PROJECT_DIR=${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -59,8 +60,8 @@ flag_value() {
 # Apptainer: --nv exposes the GPUs; bind the project, the data and the out-dir (the script's own arguments,
 # which sourcing sees) where they lie outside it, so that all are visible inside.
 LAUNCH=()
+binds="$PROJECT_DIR"
 if [[ -n "${CONTAINER:-}" ]]; then
-    binds="$PROJECT_DIR"
     for dir in "$(flag_value --data-dir "$DATA_DIR" "$@")" "$(flag_value --out-dir runs "$@")"; do
         [[ "$dir" == /* && "$dir" != "$PROJECT_DIR"/* ]] || continue  # relative: inside the project
         mkdir -p "$dir" 2>/dev/null  # the out-dir may not exist yet; a bind needs it
@@ -144,6 +145,57 @@ flight_recorder() {
     echo "=== on a collective timeout, NCCL's flight recorder dumps into $dir (read them: torchfrtrace $dir)"
 }
 
+# STAGE_DATA=/shared/path/data.tar (a tar, compressed or not) or a folder: before training, one task per node
+# copies or extracts it into the node's local disk ($SLURM_TMPDIR, else LOCAL_DATA_DIR), and the run reads that
+# copy (--data-dir: what the tar or folder holds at its top, train/ and test/ say). Worth it for many small files on
+# shared storage (an image folder), which each epoch would read over the network; not for data read once into
+# memory (CIFAR-100's archive). Each node removes its copy when the job ends (a requeued job stages again).
+# Too little free space, or an archive that does not extract, ends the job before training, in one line.
+stage_data() {
+    [[ -n "${STAGE_DATA:-}" ]] || return 0
+    local local_dir=${SLURM_TMPDIR:-${LOCAL_DATA_DIR:-}} nodes size
+    if [[ -z "$local_dir" ]]; then
+        echo "error: STAGE_DATA is set, but there is no node-local directory to stage into: this cluster sets" \
+             "no SLURM_TMPDIR; set LOCAL_DATA_DIR to the nodes' local disk (/tmp, /localscratch, ...), or" \
+             "unset STAGE_DATA" >&2
+        exit 2
+    fi
+    if [[ -n "$DATA_DIR_GIVEN" || -n "$(flag_value --data-dir "" "$@")" ]]; then
+        echo "error: STAGE_DATA and a data directory (DATA_DIR, --data-dir) are both given: the job trains on" \
+             "the staged copy of STAGE_DATA; give one of them" >&2
+        exit 2
+    fi
+    if [[ -d "$STAGE_DATA" ]]; then
+        size=$(du -s --block-size=1 "$STAGE_DATA" | cut -f1)  # on disk: small files take a block each
+    elif [[ -f "$STAGE_DATA" && -r "$STAGE_DATA" ]]; then
+        size=$(stat -c %s "$STAGE_DATA")
+    else
+        echo "error: STAGE_DATA $STAGE_DATA is not a readable file or folder (run from $PROJECT_DIR): give" \
+             "the tar or folder of the data on shared storage" >&2
+        exit 2
+    fi
+    STAGED_DIR="$local_dir/ddp-data-${SLURM_JOB_ID:-local}"
+    nodes=${SLURM_JOB_NUM_NODES:-1}
+    echo "=== staging STAGE_DATA $STAGE_DATA ($size bytes) into $STAGED_DIR, once on each of $nodes node(s)"
+    local step=(srun --nodes="$nodes" --ntasks="$nodes" --ntasks-per-node=1) report status=0 reason
+    report="$PROJECT_DIR/.ddp-stage-${SLURM_JOB_ID:-local}"  # where a node says why it failed
+    rm -f "$report".*
+    "${step[@]}" bash "$PROJECT_DIR/jobs/stage_node.sh" "$STAGE_DATA" "$STAGED_DIR" "$size" "$report" || status=$?
+    if [[ $status -ne 0 ]]; then
+        reason=$(cat "$report".* 2>/dev/null | head -n 1)
+        rm -f "$report".*
+        echo "error: staging failed on ${reason:-a node (srun exited $status: its lines above say why)}" >&2
+        exit 2
+    fi
+    # Each node's copy goes at the job's end, however it ends: Slurm then signals this step's tasks. --overlap
+    # shares the job's CPUs, memory and GPUs with the training step (Slurm 22.05 on), which still gets them all.
+    "${step[@]}" --overlap bash "$PROJECT_DIR/jobs/stage_node.sh" --remove "$STAGED_DIR" &
+    RECIPE+=(--data-dir "$STAGED_DIR")
+    [[ -n "${CONTAINER:-}" ]] && LAUNCH=(apptainer exec --nv --bind "$binds,$local_dir" --pwd "$PROJECT_DIR"
+                                          "$CONTAINER")
+    return 0
+}
+
 # The start of every training job (multigpu.sh, multinode.sh, srun_direct.sh), one call so that they stay
 # alike. "$@": the training flags.
 job_preamble() {
@@ -151,6 +203,7 @@ job_preamble() {
     print_recipe "$@"
     check_cuda "$@"  # GPUs granted but unseen by torch: stop now, in one line
     flight_recorder "$@"  # a collective timeout leaves each rank's last collectives in the out-dir
+    stage_data "$@"  # STAGE_DATA: the data copied to each node's local disk, read there
 }
 
 # The ranks checkpoint and exit (status 75) when this file appears; it lives in the project

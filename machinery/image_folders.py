@@ -3,22 +3,39 @@ the classes numbered alike in both splits, and each image read as it looks (EXIF
 reader an adapter calls is dataset_utils.image_folder, which imports this (and torchvision) when called."""
 import functools
 import os
+import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageOps
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 from torchvision.transforms.functional import pil_to_tensor
 
 from machinery.data_checks import mean_std_of_sums
-from machinery.errors import UserError
+from machinery.errors import UserError, call_and_agree
 from machinery.output import log
+
+
+def call_once_and_share(fn, *args):
+    """fn(*args) on rank 0 alone, its result sent to every rank (pickled; a UserError raised on all, as
+    call_and_agree's): for work each rank would otherwise repeat on shared storage, such as listing a folder."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return fn(*args)
+    box = [call_and_agree(fn, *args, here=dist.get_rank() == 0)]
+    dist.broadcast_object_list(box, src=0)  # NCCL: through this rank's GPU (set_device)
+    return box[0]
 
 
 def folder_classes(root) -> list:
     """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, less those starting with
-    "." (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same."""
+    "." (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same. Read by rank 0
+    alone, as the files are (ImageFolderSplit.make_dataset)."""
+    return call_once_and_share(list_classes, root)
+
+
+def list_classes(root) -> list:
     try:
         names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     except OSError as e:
@@ -65,6 +82,21 @@ class ImageFolderSplit(ImageFolder):
             log(f"{root}: left out {len(self.hidden)} hidden files (names that start with '.', such as "
                 f"{self.hidden[0]}: a Mac's ._ metadata, .DS_Store, .ipynb_checkpoints)")
 
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        """The (file, label) list: made by rank 0 alone and sent to the other ranks, so that a job lists the
+        folder once, not once per rank (on a parallel file system each listing loads its metadata server)."""
+        def list_files():
+            start = time.perf_counter()
+            samples = ImageFolder.make_dataset(directory, class_to_idx, extensions=extensions,
+                                               is_valid_file=is_valid_file, allow_empty=allow_empty)
+            return samples, self.hidden, time.perf_counter() - start
+
+        samples, self.hidden, seconds = call_once_and_share(list_files)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            log(f"{directory}: {len(samples)} files listed in {seconds:.1f} s by rank 0, for all "
+                f"{dist.get_world_size()} ranks")
+        return samples
+
     def find_classes(self, directory):
         found = folder_classes(directory)
         if self.given_classes is None:
@@ -107,7 +139,11 @@ def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image
 
 def mean_std(split, samples: int = 2000) -> tuple:
     """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
-    sums over `samples` images spread evenly (0: all), so every rank gets the same numbers; unreadable ones skipped."""
+    sums over `samples` images spread evenly (0: all); unreadable ones skipped. Read by rank 0 alone, sent to all."""
+    return call_once_and_share(measure_mean_std, split, samples)
+
+
+def measure_mean_std(split, samples: int) -> tuple:
     n = len(split)
     picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
     total = squares = count = 0

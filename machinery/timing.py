@@ -1,7 +1,7 @@
-"""StepLog: rank 0's progress lines, each rank's time by phase, the slow-rank line, --profile's traces (profiler.py)."""
+"""StepLog: rank 0's progress lines, each rank's time by phase (what it says: rank_times.py), --profile's traces
+(profiler.py)."""
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
@@ -11,19 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from machinery.errors import all_gather
 from machinery.launch import host_name
 from machinery.output import describe_span, is_main_process
-
-# The phases a training step's time is split into, in the order a step passes them:
-PHASES = {
-    "data": "waiting for data",            # the loader's next batch, its copy to the device and normalisation
-    "compute": "in forward and backward",  # up to the launch of the last gradient bucket's all-reduce
-    "sync": "waiting on the other ranks",  # that all-reduce's tail, the agreed checks, the epoch's loss sums
-    "optimizer": "in the optimizer step",  # the update, the grad scaler, the BatchNorm buffers kept
-    "other": "in the loop's bookkeeping",  # the LR, progress lines; a mid-epoch checkpoint counts as sync
-}
-# A rank is named when its own time per step (all but sync) exceeds the other ranks' median by more than this:
-# below 10% it costs the job under a tenth of its speed, and ranks differ by a few percent per epoch anyway.
-SLOW_RANK_THRESHOLD = 0.10
-SLOW_RANK_FLOOR_S = 1.0  # ... and by at least this many seconds an epoch: less is noise the user cannot act on
+from machinery.phases import PHASES
 
 
 class Clock:
@@ -137,8 +125,12 @@ class StepLog:
         if not self.epochs_finished:  # a new run's epoch 1, or a resumed run's first: slower, said so (plots)
             fields["includes_start_up"] = True
         self.epochs_finished += 1
-        if self.timed and (slow := find_slow_rank(ranks)):
-            fields["slow_rank"] = slow
+        if self.timed:  # what the ranks' splits say, where it matters: a slow rank, a loader that falls behind
+            from machinery.rank_times import find_input_bound, find_slow_rank
+            if slow := find_slow_rank(ranks):
+                fields["slow_rank"] = slow
+            if "includes_start_up" not in fields and (waiting := find_input_bound(ranks)):
+                fields["input_bound"] = waiting
         if self.cuda:
             fields["peak_memory_gib"] = max(r["peak_memory_gib"] for r in ranks)
         return fields
@@ -196,23 +188,3 @@ class ProgressLines:
         self.trained_until = time.perf_counter()
         if self.tty:
             print("\r" + " " * 100 + "\r", end="", flush=True)
-
-
-def find_slow_rank(ranks: list, threshold: float = SLOW_RANK_THRESHOLD,
-                   floor_s: float = SLOW_RANK_FLOOR_S) -> str | None:
-    """The line naming the rank whose own time per step (all but sync) exceeds the other ranks' median (with two:
-    the other's) by more than `threshold` and by `floor_s` over the epoch, and its costliest phase; else None."""
-    if len(ranks) < 2 or not all(r["steps"] for r in ranks):
-        return None
-    own = [r["step_s"] - r["sync_s"] for r in ranks]
-    slow = max(range(len(ranks)), key=own.__getitem__)
-    others = [x for i, x in enumerate(ranks) if i != slow]
-    median = statistics.median(own[:slow] + own[slow + 1:])
-    if (median <= 0 or own[slow] <= median * (1 + threshold)
-            or (own[slow] - median) * ranks[slow]["steps"] < floor_s):
-        return None
-    r = ranks[slow]
-    excess = {p: r[f"{p}_s"] - statistics.median(x[f"{p}_s"] for x in others) for p in PHASES if p != "sync"}
-    cause = max(excess, key=excess.get)
-    return (f"rank {r['rank']} on {r['host']}: {own[slow] / median - 1:.0%} slower than the other ranks' "
-            f"median, {r[f'{cause}_s'] / r['step_s']:.0%} of its step {PHASES[cause]}")

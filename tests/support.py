@@ -47,8 +47,9 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
              "--device", "cpu"]
 
 
-# The metrics a resume may change: the timings (each rank's split, a slow rank named, the peak memory).
-TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "peak_memory_gib",
+# The metrics a resume may change: the timings (each rank's split, a slow rank or a lagging loader named, the peak
+# memory).
+TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "input_bound", "peak_memory_gib",
                   "includes_start_up")
 
 

@@ -371,6 +371,24 @@ def test_a_real_folder_trains_with_the_readme_s_reader_and_a_plain_image_folder_
                                                          "classes")
 
 
+def test_an_image_folder_changed_between_a_run_and_its_resume_is_refused_on_every_rank(tmp_path, png_folder):
+    """The README's reader on 2 ranks, where rank 0 lists the folder and the other takes its list: one training image
+    removed after the run changes the resume's list, and so the data's fingerprint: refused in one line, every rank
+    out, the checkpoint kept."""
+    folder, out = tmp_path / "pngs", tmp_path / "run"
+    shutil.copytree(png_folder, folder)
+    script = adapted_script(tmp_path / "code", load_data=readme_load_data("image folders"))
+    run = [*FOLDER_RUN, "--workers", 0, "--data-dir", folder, "--out-dir", out]
+    run_adapted(script, [*run, "--epochs", 1])
+    before = (out / "checkpoint.pt").read_bytes()
+    sorted((folder / "train" / "class_3").iterdir())[5].unlink()
+    refused = run_adapted(script, [*run, "--epochs", 2], check=False)
+    assert refused.returncode != 0 and "Resumed" not in refused.stdout
+    assert_one_line(refused.stdout + refused.stderr, f"error: the train data in --data-dir {folder} differ from "
+                                                     f"those the checkpoint in {out} was trained on (fingerprint 599:")
+    assert (out / "checkpoint.pt").read_bytes() == before
+
+
 # --------------------------------------------------------------------------- another model
 
 SMALL_CNN = '''

@@ -65,6 +65,12 @@ def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, t
     lines = [line for line in proc.stdout.splitlines() if "held the others back" in line]
     assert len(lines) == 2 and all(line.startswith("warning: one rank held the others back: rank 1 on ")
                                    for line in lines)
+    # Its loader does not keep up: said for epoch 2 (epoch 1 carries the start-up), naming it and the ways out.
+    assert "input_bound" not in rows[0] and rows[1]["input_bound"].startswith("rank 1 on "), rows[1]
+    lines = [line for line in proc.stdout.splitlines() if "does not keep up" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: the loader does not keep up: rank 1 on ")
+    assert lines[0].endswith(": more --workers, the data on each node's local disk (STAGE_DATA, jobs/README.md), "
+                             "or --loader gpu for data that fit in memory")
 
 
 def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_data_script, tmp_path):
@@ -72,7 +78,7 @@ def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_
     # No worker processes: the two ranks alone share the two cores, each loading its own in-memory samples.
     proc = run_adapted(slow_data_script, [*TIMED_RUN, "--workers", 0, "--out-dir", out],
                        env={"SLOW_RANK": "1", "SLOW_DELAY": "0"})
-    assert "held the others back" not in proc.stdout
+    assert "held the others back" not in proc.stdout and "does not keep up" not in proc.stdout
     for row in read_jsonl(out / "metrics.jsonl"):
         assert "slow_rank" not in row
         assert ([r["rank"] for r in row["rank_times"]] == [0, 1]

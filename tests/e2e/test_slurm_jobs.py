@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support import (ROOT, TINY, assert_same_weights, fill, job_recipe, launch_forked, load_model_state,
-                     paused, read_json, read_jsonl, torchrun_root_cause, wait_for)
+                     paused, read_json, read_jsonl, torchrun_root_cause, wait_for, write_cifar100)
 
 SETUP = os.path.join(ROOT, "tests", "slurm", "setup_cluster.sh")
 # As in tests/slurm/cluster_net.sh: each node's address, and node2's own /etc/hosts.
@@ -374,6 +374,146 @@ def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command
     assert wait_job(again, again_log) == "COMPLETED", read(again_log)
     assert "Resumed from" in read(again_log) and "Training completed successfully." in read(again_log)
     assert_same_weights(out, signal_reference)
+
+
+@pytest.fixture
+def node_disks(slurm, tmp_path):
+    """mount(size): a tmpfs of `size` mounted at one path on each node, in each slurmd's mount namespace: each
+    node's own local disk, as each host has one. Returns the path (as the jobs see it) and each node's view of it
+    from here."""
+    mounted = []
+
+    def mount(size):
+        path = tmp_path / f"local-{size}"
+        path.mkdir()
+        views = {}
+        for node in NODE_ADDR:
+            pid = subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True,
+                                 text=True).stdout.split()[0]
+            proc = subprocess.run(["nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "-o", f"size={size}",
+                                   "tmpfs", str(path)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                pytest.skip(f"cannot mount a tmpfs on {node}: {proc.stderr.strip()}")
+            mounted.append((pid, path))
+            views[node] = Path(f"/proc/{pid}/root{path}")
+        return path, views
+    yield mount
+    for pid, path in mounted:
+        subprocess.run(["nsenter", "-t", pid, "-m", "umount", "-l", str(path)], capture_output=True)
+
+
+def cifar_tar(tmp_path) -> Path:
+    """A tar.gz of a (generated) cifar-100-python folder, as a user would pack their data for STAGE_DATA."""
+    write_cifar100(tmp_path / "shared", 320, 64, archive=False)
+    archive = tmp_path / "cifar.tar.gz"
+    subprocess.run(["tar", "-czf", archive, "-C", tmp_path / "shared", "cifar-100-python"], check=True)
+    return archive
+
+
+# What each rank of the image-folder job below opens and lists under the folders $READS_UNDER names, written to
+# $READS_LOG.<rank>: "open <path>" for each file, "list <folder>" for each os.scandir (the audit hook sees the rank's
+# own reads: no loader workers).
+COUNTED_READS = '''
+def load_data(cfg, env, train: bool = True):
+    """The README's image-folder load_data, with each file opened and each folder listed written down."""
+    import sys
+    watched = tuple(os.environ["READS_UNDER"].split(os.pathsep))
+
+    def count(event, args):
+        if event in ("open", "os.scandir") and isinstance(args[0], str) and args[0].startswith(watched):
+            with open(f"{os.environ['READS_LOG']}.{env.rank}", "a") as f:
+                f.write(f"{'open' if event == 'open' else 'list'} {args[0]}\\n")
+    sys.addaudithook(count)
+    return readme_load_data(cfg, env, train)
+'''
+
+
+def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there_and_removed_each_run(
+        slurm, tmp_path, node_disks):
+    """STAGE_DATA=a tar of real Fashion-MNIST PNG folders, on 2 nodes x 2 ranks, each node with a local disk of its
+    own, trained with the README's image-folder reader and requeued by the time-limit warning. In each of the 2
+    runs: one extraction per node; rank 0 lists each class folder once, the 3 others none; the ranks open every
+    image in the staged copy and none on shared storage; at each run's end each node's copy is gone."""
+    from test_adapt import adapted_script, readme_load_data, write_fashion_pngs
+    shared = write_fashion_pngs(tmp_path / "shared", 640, 128)
+    archive, (local, views) = tmp_path / "pngs.tar", node_disks("64m")
+    subprocess.run(["tar", "-cf", archive, "-C", shared, "train", "test"], check=True)
+    project = tmp_path / "project"  # the adapted train_ddp.py beside the project's jobs/, as a user's copy
+    readme = readme_load_data("image folders").replace("def load_data(", "def readme_load_data(")
+    adapted_script(project, load_data=readme + "\n\n" + COUNTED_READS)
+    (project / "jobs").symlink_to(os.path.join(ROOT, "jobs"))
+    out, reads = tmp_path / "run", tmp_path / "reads"
+    env = {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(local), "PROJECT_DIR": str(project),
+           "READS_LOG": str(reads), "READS_UNDER": os.pathsep.join([str(shared), str(local)]),
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
+                      [*TINY, *CPU, "--batch-size", 32, "--epochs", 2, "--loader", "torch", "--log-every", 1,
+                       "--out-dir", out], env=env)
+    wait_for_line(job, log, "step 2/")
+    with paused(training_pids(out, log)):
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+        wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1")
+    assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
+    text, staged_dir = read(log), f"{local}/ddp-data-{job}"
+    assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
+    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
+    assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
+    assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
+    removed = re.findall(rf"^=== (node\d): removed the staged copy {staged_dir}$", text, re.M)
+    assert sorted(removed) == ["node1", "node1", "node2", "node2"], text
+    assert all(not os.listdir(view) for view in views.values())
+    assert read_json(out / "config.json")["data_dir"] == staged_dir
+
+    logged = {rank: open(f"{reads}.{rank}").read().splitlines() for rank in range(4)}
+    class_folders = [f"{staged_dir}/{split}/{d.name}" for split in ("train", "test")
+                     for d in sorted((shared / split).iterdir())]
+    assert sorted(line for line in logged[0] if line.startswith("list ") and "/class_" in line) == sorted(
+        f"list {folder}" for folder in class_folders * 2)  # once per run
+    assert not any(line.startswith("list ") for rank in (1, 2, 3) for line in logged[rank])
+    opened = {line[5:] for lines in logged.values() for line in lines if line.startswith("open ")}
+    images = {str(f) for f in shared.rglob("*.png")}
+    assert {f.replace(staged_dir, str(shared), 1) for f in opened if f.startswith(staged_dir)} == images
+    assert not any(f.startswith(str(shared)) or f == str(archive) for f in opened)
+
+
+STAGED_TRAIN = [*TRAIN[2:], "--dataset", "cifar100"]  # the data: the staged archive's
+
+
+def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_before_training_in_one_line(
+        slurm, tmp_path, node_disks):
+    """Each refusal ends the job before training with one line: a node's local disk with less free space than the
+    archive, an archive that does not extract (each staged on 2 nodes); no node-local directory, and STAGE_DATA
+    beside --data-dir (refused by the batch script itself, in multigpu.sh and srun_direct.sh)."""
+    archive = cifar_tar(tmp_path)
+    truncated = tmp_path / "truncated.tar.gz"
+    truncated.write_bytes(archive.read_bytes()[:archive.stat().st_size // 2])
+    (small, _), (large, views) = node_disks("64k"), node_disks("64m")
+    assert archive.stat().st_size > 64 * 1024
+    two_nodes = ("multinode.sh", ["--nodes=2", "--gpus-per-node=1"])
+    for name, (script, request), env, args, says in (
+            ("small", two_nodes, {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)}, [],
+             rf"staging failed on node\d: {small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: "
+             rf"ask for a node with more local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset "
+             rf"STAGE_DATA to read the data where they are"),
+            ("truncated", two_nodes, {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)}, [],
+             rf"staging failed on node\d: STAGE_DATA {truncated} does not extract \(.+\): a truncated or corrupt "
+             rf"archive\? check it with tar -tf, and copy it again"),
+            ("nowhere", ("multigpu.sh", ["--gpus=1"]), {"STAGE_DATA": str(archive)}, [],
+             r"STAGE_DATA is set, but there is no node-local directory to stage into: this cluster sets no "
+             r"SLURM_TMPDIR; set LOCAL_DATA_DIR to the nodes' local disk \(/tmp, /localscratch, ...\), or unset "
+             r"STAGE_DATA"),
+            ("both", ("srun_direct.sh", ["--ntasks-per-node=1", "--gpus-per-task=1"]),
+             {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(large)}, ["--data-dir", tmp_path],
+             r"STAGE_DATA and a data directory \(DATA_DIR, --data-dir\) are both given: the job trains on the staged "
+             r"copy of STAGE_DATA; give one of them")):
+        (tmp_path / name).mkdir()
+        job, log = sbatch(script, tmp_path / name, request, [*STAGED_TRAIN, *args, "--out-dir", tmp_path / name],
+                          env={"SLURM_TMPDIR": "", **env})  # no SLURM_TMPDIR from this host: LOCAL_DATA_DIR decides
+        assert wait_job(job, log) == "FAILED", read(log)
+        errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and re.fullmatch(f"error: {says}", errors[0]), (name, errors, read(log))
+        assert "Training started" not in read(log)
+    assert all(not os.listdir(view) for view in views.values())  # the partial extraction removed
 
 
 def test_preflight_job_checks_both_nodes(slurm, tmp_path):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from support import ROOT, launch, read_json, require_package
+from support import ROOT, TINY, launch, launch_forked, read_json, require_package
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +89,41 @@ def test_bench_writes_its_json_to_runs_bench_by_default_which_git_ignores(bench_
                              capture_output=True, text=True)
     if ignored.returncode != 128:  # 128: not a git checkout
         assert ignored.stdout.split() == [f"runs/bench/{written[0]}"]
+
+
+def test_loader_check_reads_the_run_s_image_folder_on_every_rank_and_its_verdict_follows_its_own_figures(
+        tmp_path):
+    """bench.py --loader-check beside a train_ddp.py adapted to the README's image-folder reader, as a user runs it
+    after adapting: on 2 ranks it reads the real PNG files with the run's loader and worker, and its verdict is the
+    one its measured figures make (which no test can choose: the machine's speed does)."""
+    from test_adapt import ADAPTED_ENV, adapted_script, readme_load_data, write_fashion_pngs
+    pngs = write_fashion_pngs(tmp_path / "pngs", 320, 64)
+    code = tmp_path / "code"
+    adapted_script(code, load_data=readme_load_data("image folders"))
+    (code / "bench.py").write_text(open(os.path.join(ROOT, "bench.py")).read())
+    out = tmp_path / "check.json"
+    proc = launch_forked(["--loader-check", *TINY, "--workers", 1, "--loader", "torch", "--batch-size", 32,
+                          "--device", "cpu", "--data-dir", pngs, "--steps", 6, "--warmup", 2, "--json", out],
+                         nproc=2, script=str(code / "bench.py"), env=ADAPTED_ENV)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("loader check: ")]
+    assert re.fullmatch(rf"loader check: 1 DataLoader worker per rank read ImageFolderSplit of {pngs}/train "
+                        r"\(on \S+\), 16 images per rank and step, 6 steps after 2 untimed", lines[0]), lines
+    check = read_json(out)["loader_check"]
+    rates, step_s = check["images_per_s_per_rank"], check["step_s"]
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)
+    assert lines[1].endswith(f", {sum(rates):.0f} img/s in all") and f", {min(rates):.0f}), " in lines[1]
+    assert lines[2].startswith(f"loader check: the step consumes {16 / step_s:.0f} img/s per rank, ")
+    # what the figures make: a batch read in load_s on the slowest rank, read ahead by the worker while a step runs
+    load_s = 16 / min(rates)
+    wait = max(0.0, load_s - step_s) / max(load_s, step_s)
+    if wait <= 0.05:
+        assert lines[3] == f"loader check: it keeps up: the slowest rank's loader delivers {step_s / load_s:.2f}x " \
+                           "what its step consumes" and check["fixes"] == []
+    else:
+        assert lines[3].startswith(f"loader check: it falls short: the slowest rank's loader delivers "
+                                   f"{step_s / load_s:.2f}x what its step consumes, so each step would wait for "
+                                   f"data {wait * 100:.0f}% of its time; the fixes: more --workers (1 now; ")
+    assert len(lines) == 4
 
 
 def test_preflight_passes_and_reports_every_rank(tmp_path):

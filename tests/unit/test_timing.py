@@ -1,10 +1,12 @@
-"""The slow-rank line (machinery.timing.find_slow_rank): a rank is named when its own time per step (all
+"""The slow-rank line (machinery.rank_times.find_slow_rank): a rank is named when its own time per step (all
 but waiting on the others) exceeds the median of the other ranks' by more than 10% (with two ranks, the
 other's) and by a second or more over the epoch, with the phase that makes most of the difference; waiting
-(sync) never makes a rank slow."""
+(sync) never makes a rank slow. The input-bound line (find_input_bound): a rank waiting for data most of its step."""
 import pytest
 
-from machinery.timing import PHASES, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, find_slow_rank
+from machinery.rank_times import (INPUT_BOUND_SHARE, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, find_input_bound,
+                                  find_slow_rank)
+from machinery.timing import PHASES
 
 
 def rank(r, host="node1", steps=400, **seconds):
@@ -129,3 +131,16 @@ def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_w
     assert out[1] == "  epoch 1 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 25 s"
     # 5 + 4, then 1 epoch of 10 + 4
     assert out[-1] == "  epoch 2 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 23 s"
+
+
+def test_a_rank_waiting_for_data_most_of_its_step_is_said_to_outrun_its_loader_past_the_start_up_epoch():
+    """More than half of a rank's step waiting for data, and a second or more over the epoch: the line names it
+    with the median rank's share; less of either, none. (The epoch with the start-up: StepLog.finish_epoch.)"""
+    assert INPUT_BOUND_SHARE == 0.5
+    ranks = [rank(r, data=0.02, compute=0.1, optimizer=0.01) for r in range(3)]
+    assert find_input_bound(ranks) is None
+    ranks[2] = rank(2, host="node2", data=0.3, compute=0.1, optimizer=0.01)
+    assert find_input_bound(ranks) == "rank 2 on node2 waited for data 73% of its step (the median rank: 15%)"
+    assert find_input_bound([rank(0, data=0.12, compute=0.1)]).startswith("rank 0 on node1 waited for data 55%")
+    assert find_input_bound([rank(0, data=0.1, compute=0.1)]) is None  # half: not most
+    assert find_input_bound([rank(0, steps=4, data=0.2, compute=0.1)]) is None  # 0.8 s an epoch: noise

@@ -1,0 +1,45 @@
+#!/bin/bash
+# One node's part of STAGE_DATA (jobs/lib.sh, stage_data), run by srun as one task per node:
+#   stage_node.sh SOURCE DEST BYTES REPORT   copy the folder SOURCE, or extract the tar SOURCE (compressed or
+#       not), into DEST on this node's local disk, once its free space is checked against BYTES. A failure: exit
+#       status 2, DEST removed, and the line naming this node, the cause and the way out written to REPORT.<node>
+#       (on shared storage: the batch script says the first node's, once)
+#   stage_node.sh --remove DEST              wait for the job's end (Slurm then ends this step), remove DEST
+set -uo pipefail
+node=$(hostname)
+
+human() {  # bytes, as du -h writes them
+    numfmt --to=iec-i --suffix=B "$1" 2>/dev/null || echo "$1 bytes"
+}
+
+if [[ "${1:-}" == --remove ]]; then
+    dest=$2
+    trap 'rm -rf "$dest"; echo "=== $node: removed the staged copy $dest"; exit 0' TERM INT HUP
+    while :; do sleep 3600 & wait $!; done
+fi
+
+src=$1 dest=$2 need=$3 report=$4
+fail() {
+    echo "$node: $1" > "$report.$node"
+    rm -rf "$dest"
+    exit 2
+}
+no_space() {
+    fail "$(dirname "$dest") ran out of space while staging STAGE_DATA $src (it takes more than the $(human "$need") checked: small files take a disk block each): ask for a node with more local disk (#SBATCH --tmp=<size>, where the cluster grants it), or unset STAGE_DATA"
+}
+mkdir -p "$dest" 2>/dev/null || fail "cannot create $dest on the node's local disk: is $(dirname "$dest") there and writable?"
+free=$(df -B1 --output=avail "$dest" | tail -n 1 | tr -d ' ')
+if [[ "$free" =~ ^[0-9]+$ ]] && (( free < need )); then
+    fail "$(dirname "$dest") has $(human "$free") free, but STAGE_DATA $src needs $(human "$need"): ask for a node with more local disk (#SBATCH --tmp=<size>, where the cluster grants it), or unset STAGE_DATA to read the data where they are"
+fi
+start=$(date +%s%N)
+if [[ -d "$src" ]]; then
+    out=$(cp -a "$src"/. "$dest"/ 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
+        fail "copying STAGE_DATA $src into $dest failed (${out##*$'\n'})"; }
+else
+    # GNU tar recognises gzip, bzip2, xz and zstd itself; a truncated or corrupt archive fails here, before training
+    out=$(tar -xf "$src" -C "$dest" 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
+        fail "STAGE_DATA $src does not extract (${out##*$'\n'}): a truncated or corrupt archive? check it with tar -tf, and copy it again"; }
+fi
+seconds=$(( ($(date +%s%N) - start) / 1000000 ))
+echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") in $(find "$dest" -type f | wc -l) files of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s"

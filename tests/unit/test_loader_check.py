@@ -1,0 +1,59 @@
+"""bench.py --loader-check's verdict and fixes (tools/loader_check.py), from given figures: the e2e test
+(e2e/test_tools.py) runs the check itself, whose figures no test can choose."""
+import pytest
+
+from tools.loader_check import KEEPS_UP_WAIT, cpus_per_rank, file_system, judge, name_fixes, say_verdict
+
+
+def test_a_loader_with_workers_keeps_up_when_its_slowest_rank_reads_a_batch_within_a_step():
+    # 64 images a step of 0.1 s: 640 img/s consumed per rank
+    fast = judge(read_per_rank=[2000, 700], step_s=0.1, per_rank_batch=64, overlapped=True)
+    assert fast["keeps_up"] and fast["wait_share"] == 0 and fast["ratio"] == pytest.approx(700 / 640)
+    # the slowest rank decides: 320 img/s, a batch in 0.2 s, so each step waits 0.1 s of its 0.2
+    slow = judge(read_per_rank=[2000, 320], step_s=0.1, per_rank_batch=64, overlapped=True)
+    assert not slow["keeps_up"] and slow["wait_share"] == pytest.approx(0.5) and slow["ratio"] == pytest.approx(0.5)
+
+
+def test_a_loader_that_reads_within_the_step_adds_its_time_to_every_step():
+    # --workers 0 or the device loader: reading 64 at 6400 img/s adds 0.01 s to a 0.1 s step
+    serial = judge(read_per_rank=[6400, 6400], step_s=0.1, per_rank_batch=64, overlapped=False)
+    assert serial["wait_share"] == pytest.approx(0.01 / 0.11) and not serial["keeps_up"]
+    assert judge(read_per_rank=[64_000], step_s=0.1, per_rank_batch=64, overlapped=False)["wait_share"] < KEEPS_UP_WAIT
+
+
+def test_the_fixes_fit_the_run_s_loader_data_and_file_system():
+    files = dict(device_loader=False, in_memory=False, data_dir="/scratch/imgs")
+    few = name_fixes(workers=2, cpus=8, fs="lustre", **files)
+    assert few[0] == "more --workers (2 now; each rank here has 8 CPUs)"
+    assert any(f.startswith("the data on each node's local disk (STAGE_DATA") and "/scratch/imgs is on lustre" in f
+               for f in few)
+    assert few[-1].startswith("load_data returning ImageData with --loader gpu")
+    local = name_fixes(workers=8, cpus=8, fs="ext4", **files)
+    assert local[0].startswith("more CPUs per rank") and not any("STAGE_DATA" in f for f in local)
+    in_memory = name_fixes(workers=2, cpus=8, fs="nfs", device_loader=False, in_memory=True, data_dir="d")
+    assert in_memory[1].startswith("--loader gpu") and not any("STAGE_DATA" in f for f in in_memory)
+    assert name_fixes(workers=0, cpus=4, fs="ext4", device_loader=True, in_memory=True, data_dir="d") == [
+        "--loader torch with --workers up to 4 (this transform runs one image at a time on the device loader; "
+        "DataLoader workers run it in parallel)"]
+
+
+def test_the_verdict_says_the_share_of_the_step_spent_waiting_and_the_fixes_only_when_it_falls_short():
+    slow = judge(read_per_rank=[320], step_s=0.1, per_rank_batch=64, overlapped=True)
+    assert say_verdict(slow, ["more --workers", "STAGE_DATA"]) == (
+        "loader check: it falls short: the slowest rank's loader delivers 0.50x what its step consumes, so each "
+        "step would wait for data 50% of its time; the fixes: more --workers; STAGE_DATA")
+    fast = judge(read_per_rank=[1280], step_s=0.1, per_rank_batch=64, overlapped=True)
+    assert say_verdict(fast, ["more --workers"]) == ("loader check: it keeps up: the slowest rank's loader delivers "
+                                                     "2.00x what its step consumes")
+
+
+def test_cpus_per_rank_counts_each_host_s_cpus_once_over_its_ranks():
+    torchrun = [("a", {0, 1, 2, 3}), ("a", {0, 1, 2, 3}), ("b", set(range(16)))]  # one task's CPUs, shared
+    assert cpus_per_rank(torchrun, "a") == 2 and cpus_per_rank(torchrun, "b") == 16
+    srun = [("a", {0, 1}), ("a", {2, 3})]  # srun: one task, with its own CPUs, per rank
+    assert cpus_per_rank(srun, "a") == 2
+
+
+def test_file_system_names_the_mount_that_holds_the_path():
+    assert file_system("/proc/self/status") == "proc"
+    assert file_system("/") not in ("proc", "unknown")
