@@ -55,7 +55,7 @@ from machinery.timing import Clock
 from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.cpu_checks import cpu_checks, report_cpu_checks
-from tools.loader_check import cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict
+from tools.loader_check import cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict, usable_cpus
 from tools.original_script import original_batches, original_steps
 
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
@@ -270,7 +270,7 @@ def loader_check(args, env) -> dict:
     read = read_rate(loader, env.device, warmup=args.warmup * cfg.per_rank_batch,
                      images=args.steps * cfg.per_rank_batch)
     del loader
-    rates = all_gather((read["images"] / read["seconds"], platform.node(), os.sched_getaffinity(0)))
+    rates = all_gather((read["images"] / read["seconds"], platform.node(), usable_cpus()))
     # The step, fed from memory: --steps of distinct images (at most 1 GiB of them), as the loader shapes them.
     channels, height, width = read["shape"]
     n = max(1, min(args.steps, 2**30 // (cfg.batch_size * channels * height * width))) * cfg.batch_size

@@ -52,6 +52,11 @@ def file_system(path: str) -> str:
     return kind
 
 
+def usable_cpus() -> set:
+    """The CPUs this process may run on (Slurm and taskset bind it to some); all of them where the OS does not say."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
 def cpus_per_rank(hosts_and_cpus: list, host: str) -> int:
     """The CPUs this host's ranks may run on (each rank's affinity, all of them together) over its ranks: every
     rank's (host, CPU set), gathered."""
