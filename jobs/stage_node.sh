@@ -42,4 +42,6 @@ else
         fail "STAGE_DATA $src does not extract (${out##*$'\n'}): a truncated or corrupt archive? check it with tar -tf, and copy it again"; }
 fi
 seconds=$(( ($(date +%s%N) - start) / 1000000 ))
-echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") in $(find "$dest" -type f | wc -l) files of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s"
+# its top level, which --data-dir now is: train/ and test/ for an image folder (a tar of the folder itself holds one more)
+top=$(find "$dest" -mindepth 1 -maxdepth 1 \( -type d -printf '%f/\n' -o -printf '%f\n' \) | sort | head -n 6 | paste -sd' ')
+echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") in $(find "$dest" -type f | wc -l) files of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s; --data-dir holds: ${top:-nothing}"

@@ -456,7 +456,8 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text, staged_dir = read(log), f"{local}/ddp-data-{job}"
     assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
-    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s$", text, re.M)
+    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s; --data-dir holds: "
+                        r"test/ train/$", text, re.M)
     assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
     assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
     removed = re.findall(rf"^=== (node\d): removed the staged copy {staged_dir}$", text, re.M)
@@ -474,6 +475,34 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
     images = {str(f) for f in shared.rglob("*.png")}
     assert {f.replace(staged_dir, str(shared), 1) for f in opened if f.startswith(staged_dir)} == images
     assert not any(f.startswith(str(shared)) or f == str(archive) for f in opened)
+
+
+@pytest.mark.parametrize("packing", ["folder", "tar", "gz", "bz2", "xz", "zst"])
+def test_one_node_stages_a_folder_or_a_tar_of_any_compression_file_for_file(tmp_path, packing):
+    """jobs/stage_node.sh, one node's part of STAGE_DATA, run as srun runs it (no Slurm needed): the copy holds every
+    file as it was, and the line says how many, from where, into where, and the top level --data-dir then holds."""
+    data = tmp_path / "data"
+    for split, n in (("train", 3), ("test", 2)):
+        for i in range(n):
+            (data / split / f"class_{i}").mkdir(parents=True)
+            (data / split / f"class_{i}" / f"{i}.png").write_bytes(os.urandom(1000 + i))
+    source = data
+    if packing != "folder":
+        flag = {"tar": [], "gz": ["-z"], "bz2": ["-j"], "xz": ["-J"], "zst": ["--zstd"]}[packing]
+        tool = {"gz": "gzip", "bz2": "bzip2", "xz": "xz", "zst": "zstd"}.get(packing)
+        if tool and not shutil.which(tool):
+            pytest.skip(f"no {tool} here")
+        source = tmp_path / f"data.{packing}"
+        subprocess.run(["tar", "-cf", source, *flag, "-C", data, "train", "test"], check=True)
+    dest = tmp_path / "local" / "ddp-data-7"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "jobs", "stage_node.sh"), source, dest, "100",
+                           tmp_path / "report"], capture_output=True, text=True)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert re.fullmatch(rf"=== \S+: staged \S+ in 5 files of {source} into {dest} in [\d.]+ s; --data-dir holds: "
+                        rf"test/ train/\n", proc.stdout), proc.stdout
+    files = sorted(p.relative_to(data) for p in data.rglob("*.png"))
+    assert sorted(p.relative_to(dest) for p in dest.rglob("*.png")) == files
+    assert all((dest / f).read_bytes() == (data / f).read_bytes() for f in files)
 
 
 STAGED_TRAIN = [*TRAIN[2:], "--dataset", "cifar100"]  # the data: the staged archive's
