@@ -90,9 +90,10 @@ def say_verdict(verdict: dict, fixes: list) -> str:
 
 def name_fixes(*, device_loader: bool, workers: int, cpus: int, in_memory: bool, data_dir: str, fs: str) -> list:
     """The ways out of a loader that falls short, for this run, likeliest first."""
-    if device_loader:  # the default crop and flip are batched on the GPU; another transform runs image by image
-        return [f"--loader torch with --workers up to {cpus} (this transform runs one image at a time on the "
-                f"device loader; DataLoader workers run it in parallel)"]
+    if device_loader:  # its batches are made within the step: the default crop and flip batched, another one per image
+        return [f"--loader torch with --workers up to {cpus} (DataLoader workers make the batches beside the step; "
+                f"the device loader makes them within it, one image at a time for a transform other than the "
+                f"default crop and flip)"]
     has = f"each rank here has {cpus} CPU{'s' if cpus > 1 else ''}"
     fixes = [f"more --workers ({workers} now; {has})" if workers < cpus else
              f"more CPUs per rank (its {workers} workers already have the CPUs: {has}; #SBATCH --cpus-per-task)"]

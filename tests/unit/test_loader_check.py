@@ -33,8 +33,8 @@ def test_the_fixes_fit_the_run_s_loader_data_and_file_system():
     in_memory = name_fixes(workers=2, cpus=8, fs="nfs", device_loader=False, in_memory=True, data_dir="d")
     assert in_memory[1].startswith("--loader gpu") and not any("STAGE_DATA" in f for f in in_memory)
     assert name_fixes(workers=0, cpus=4, fs="ext4", device_loader=True, in_memory=True, data_dir="d") == [
-        "--loader torch with --workers up to 4 (this transform runs one image at a time on the device loader; "
-        "DataLoader workers run it in parallel)"]
+        "--loader torch with --workers up to 4 (DataLoader workers make the batches beside the step; the device "
+        "loader makes them within it, one image at a time for a transform other than the default crop and flip)"]
 
 
 def test_the_verdict_says_the_share_of_the_step_spent_waiting_and_the_fixes_only_when_it_falls_short():
