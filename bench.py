@@ -267,8 +267,8 @@ def loader_check(args, env) -> dict:
     fs = file_system(cfg.data_dir)
     log(f"loader check: {workers} read {data.source}{'' if in_memory else f' (on {fs})'}, {cfg.per_rank_batch} "
         f"images per rank and step, {args.steps} steps after {args.warmup} untimed")
-    read = read_rate(loader, env.device, warmup=args.warmup * cfg.per_rank_batch,
-                     images=args.steps * cfg.per_rank_batch)
+    read = read_rate(loader, env.device, warmup=args.warmup * cfg.accumulation_steps,
+                     batches=args.steps * cfg.accumulation_steps)
     del loader
     rates = all_gather((read["images"] / read["seconds"], platform.node(), usable_cpus()))
     # The step, fed from memory: --steps of distinct images (at most 1 GiB of them), as the loader shapes them.

@@ -431,8 +431,9 @@ def log_epoch(metrics: dict, epochs: int, *, top5: bool = True) -> None:
         log(f"warning: one rank held the others back: {metrics['slow_rank']} (each rank's split: "
             f"rank_times in metrics.jsonl)")
     if metrics.get("input_bound"):
-        log(f"warning: the loader does not keep up: {metrics['input_bound']}: more --workers, the data on each "
-            f"node's local disk (STAGE_DATA, jobs/README.md), or --loader gpu for data that fit in memory")
+        log(f"warning: the loader does not keep up: {metrics['input_bound']}: bench.py --loader-check with this "
+            f"run's flags measures it and names the fixes that fit (more --workers, the data on each node's local "
+            f"disk with STAGE_DATA, the other --loader)")
     if metrics.get("nonfinite_samples"):
         log(f"warning: {metrics['nonfinite_samples']} samples had a non-finite fp16 loss; the scaler skipped "
             f"their steps")

@@ -184,11 +184,13 @@ stage_data() {
     if [[ $status -ne 0 ]]; then
         reason=$(cat "$report".* 2>/dev/null | head -n 1)
         rm -f "$report".*
+        "${step[@]}" rm -rf "$STAGED_DIR"  # the nodes that staged their copy
         echo "error: staging failed on ${reason:-a node (srun exited $status: its lines above say why)}" >&2
         exit 2
     fi
-    # Each node's copy goes at the job's end, however it ends: Slurm then signals this step's tasks. --overlap
-    # shares the job's CPUs, memory and GPUs with the training step (Slurm 22.05 on), which still gets them all.
+    # Each node's copy goes at the job's end, however it ends: Slurm then signals this step's tasks, which wait for
+    # the node's ranks to leave it (stage_node.sh). --overlap shares the job's CPUs, memory and GPUs with the training
+    # step (Slurm 22.05 on), which still gets them all.
     "${step[@]}" --overlap bash "$PROJECT_DIR/jobs/stage_node.sh" --remove "$STAGED_DIR" &
     RECIPE+=(--data-dir "$STAGED_DIR")
     [[ -n "${CONTAINER:-}" ]] && LAUNCH=(apptainer exec --nv --bind "$binds,$local_dir" --pwd "$PROJECT_DIR"

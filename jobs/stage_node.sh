@@ -4,8 +4,11 @@
 #       not), into DEST on this node's local disk, once its free space is checked against BYTES. A failure: exit
 #       status 2, DEST removed, and the line naming this node, the cause and the way out written to REPORT.<node>
 #       (on shared storage: the batch script says the first node's, once)
-#   stage_node.sh --remove DEST              wait for the job's end (Slurm then ends this step), remove DEST
+#   stage_node.sh --remove DEST              wait for the job's end (Slurm then ends this step), and for this node's
+#       training on DEST to end too (a scancel or a preemption signals every step at once, and the ranks read on until
+#       their checkpoint), at most until Slurm's KillWait is nearly spent; then remove DEST
 set -uo pipefail
+export LC_ALL=C  # tar's and cp's messages, matched below, in English
 node=$(hostname)
 
 human() {  # bytes, as du -h writes them
@@ -14,7 +17,22 @@ human() {  # bytes, as du -h writes them
 
 if [[ "${1:-}" == --remove ]]; then
     dest=$2
-    trap 'rm -rf "$dest"; echo "=== $node: removed the staged copy $dest"; exit 0' TERM INT HUP
+    # this node's training processes: their command lines hold --data-dir DEST (the path's regex characters escaped)
+    # shellcheck disable=SC2001  # a set of characters escaped: sed, not ${var//}
+    training="--data-dir $(sed 's/[][\\.*^$+?(){}|]/\\&/g' <<< "$dest")( |\$)"
+    kill_wait=$(scontrol show config 2>/dev/null | awk '$1 == "KillWait" {print $3}')
+    remove() {
+        trap '' TERM INT HUP
+        kill "$!" 2>/dev/null  # the sleep below
+        local waited=0
+        while pgrep -f -- "$training" > /dev/null && (( waited++ < 2 * (${kill_wait:-30} - 5) )); do
+            sleep 0.5
+        done
+        rm -rf "$dest"
+        echo "=== $node: removed the staged copy $dest"
+        exit 0
+    }
+    trap remove TERM INT HUP
     while :; do sleep 3600 & wait $!; done
 fi
 
@@ -25,8 +43,9 @@ fail() {
     exit 2
 }
 no_space() {
-    fail "$(dirname "$dest") ran out of space while staging STAGE_DATA $src (it takes more than the $(human "$need") checked: small files take a disk block each): ask for a node with more local disk (#SBATCH --tmp=<size>, where the cluster grants it), or unset STAGE_DATA"
+    fail "$(dirname "$dest") ran out of space while staging STAGE_DATA $src (it takes more than the $(human "$need") checked: a compressed archive's contents are larger, and small files take a disk block each): ask for a node with more local disk (#SBATCH --tmp=<size>, where the cluster grants it), or unset STAGE_DATA"
 }
+rm -rf "$dest"  # a copy left by a requeued run's cleanup that Slurm killed: not counted as free space
 mkdir -p "$dest" 2>/dev/null || fail "cannot create $dest on the node's local disk: is $(dirname "$dest") there and writable?"
 free=$(df -B1 --output=avail "$dest" | tail -n 1 | tr -d ' ')
 if [[ "$free" =~ ^[0-9]+$ ]] && (( free < need )); then
@@ -34,7 +53,8 @@ if [[ "$free" =~ ^[0-9]+$ ]] && (( free < need )); then
 fi
 start=$(date +%s%N)
 if [[ -d "$src" ]]; then
-    out=$(cp -a "$src"/. "$dest"/ 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
+    # -L: a symbolic link's file, not the link (which would still point at shared storage)
+    out=$(cp -aL "$src"/. "$dest"/ 2>&1) || { [[ "$out" == *"No space left"* ]] && no_space
         fail "copying STAGE_DATA $src into $dest failed (${out##*$'\n'})"; }
 else
     # GNU tar recognises gzip, bzip2, xz and zstd itself; a truncated or corrupt archive fails here, before training

@@ -18,21 +18,31 @@ from machinery.errors import UserError, call_and_agree
 from machinery.output import log
 
 
-def call_once_and_share(fn, *args):
+def call_once_and_share(fn, *args, folder):
     """fn(*args) on rank 0 alone, its result sent to every rank (pickled; a UserError raised on all, as
-    call_and_agree's): for work each rank would otherwise repeat on shared storage, such as listing a folder."""
+    call_and_agree's): for work each rank would otherwise repeat on shared storage, such as listing a folder. Every
+    rank must ask for the same `folder`: one that asks for another (a folder per rank) is refused, on every rank."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn(*args)
-    box = [call_and_agree(fn, *args, here=dist.get_rank() == 0)]
+    box = [(str(folder), call_and_agree(fn, *args, here=dist.get_rank() == 0))]
     dist.broadcast_object_list(box, src=0)  # NCCL: through this rank's GPU (set_device)
-    return box[0]
+    rank_0s, result = box[0]
+    call_and_agree(check_same_folder, str(folder), rank_0s)
+    return result
+
+
+def check_same_folder(folder: str, rank_0s: str) -> None:
+    if folder != rank_0s:
+        raise UserError(f"rank {dist.get_rank()} reads the image folder {folder}, rank 0 {rank_0s}: a folder is "
+                        f"listed once, by rank 0, for every rank; give every rank the same folder (the sampler "
+                        f"already gives each rank its share of it)")
 
 
 def folder_classes(root) -> list:
     """The classes of an image folder root/<class>/<image>: its subfolders' names, sorted, less those starting with
     "." (.ipynb_checkpoints). Give them to image_folder for both splits, so that labels mean the same. Read by rank 0
     alone, as the files are (ImageFolderSplit.make_dataset)."""
-    return call_once_and_share(list_classes, root)
+    return call_once_and_share(list_classes, root, folder=root)
 
 
 def list_classes(root) -> list:
@@ -91,7 +101,7 @@ class ImageFolderSplit(ImageFolder):
                                                is_valid_file=is_valid_file, allow_empty=allow_empty)
             return samples, self.hidden, time.perf_counter() - start
 
-        samples, self.hidden, seconds = call_once_and_share(list_files)
+        samples, self.hidden, seconds = call_once_and_share(list_files, folder=directory)
         if dist.is_initialized() and dist.get_world_size() > 1:
             log(f"{directory}: {len(samples)} files listed in {seconds:.1f} s by rank 0, for all "
                 f"{dist.get_world_size()} ranks")
@@ -140,7 +150,7 @@ def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image
 def mean_std(split, samples: int = 2000) -> tuple:
     """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
     sums over `samples` images spread evenly (0: all); unreadable ones skipped. Read by rank 0 alone, sent to all."""
-    return call_once_and_share(measure_mean_std, split, samples)
+    return call_once_and_share(measure_mean_std, split, samples, folder=getattr(split, "root", "the split"))
 
 
 def measure_mean_std(split, samples: int) -> tuple:

@@ -2,6 +2,7 @@
 file system the data sit on, the CPUs each rank has, and the verdict (judge) with the fixes that fit this run
 (name_fixes). bench.py times the step the loader feeds."""
 import os
+import re
 
 from machinery.errors import UserError
 from machinery.timing import Clock
@@ -14,27 +15,25 @@ SHARED_FILE_SYSTEMS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3"
                        "fuse.sshfs", "panfs", "wekafs", "glusterfs", "fuse.glusterfs", "pvfs2", "orangefs"}
 
 
-def read_rate(loader, device, *, warmup: int, images: int) -> dict:
-    """The training loader's batches copied to the device, as train_step takes them, and nothing else: `warmup`
-    images untimed (the workers' start), then up to `images` timed, in epoch 1. Returns the images timed, their
-    seconds and the shape the model gets."""
-    clock, warm, timed, start, shape = Clock(device), 0, 0, None, None
+def read_rate(loader, device, *, warmup: int, batches: int) -> dict:
+    """The training loader's batches (micro-batches, with accumulation) copied to the device, as train_step takes
+    them, and nothing else: `warmup` untimed (the workers' start), then up to `batches` timed, in epoch 1; every rank
+    stops at the same batch, whatever unreadable samples it skipped. Returns the images timed, their seconds and the
+    shape the model gets."""
+    clock, images, seen, start, shape = Clock(device), 0, 0, None, None
     loader.batch_sampler.set_epoch(1)
-    if warmup == 0:
-        start = clock.mark()
     for batch, labels in loader:
-        batch, _ = batch.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        shape = tuple(batch.shape[1:])
-        if start is None:
-            warm += len(batch)
-            if warm >= warmup:
-                start = clock.mark()
-        elif (timed := timed + len(batch)) >= images:
+        if seen == warmup:
+            start = clock.mark()
+        elif seen == warmup + batches:
             break
-    if timed == 0:
-        raise UserError(f"an epoch holds {warm} training images per rank, all taken by --warmup: give a smaller "
-                        f"--warmup, so that some are timed")
-    return {"images": timed, "seconds": clock.seconds(start, clock.mark()), "shape": shape}
+        batch, _ = batch.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        shape, seen = tuple(batch.shape[1:]), seen + 1
+        images += len(batch) if seen > warmup else 0
+    if start is None:
+        raise UserError(f"an epoch holds {seen} batches per rank, all taken by --warmup: give a smaller --warmup, "
+                        f"so that some are timed")
+    return {"images": images, "seconds": clock.seconds(start, clock.mark()), "shape": shape}
 
 
 def file_system(path: str) -> str:
@@ -46,7 +45,7 @@ def file_system(path: str) -> str:
     except OSError:
         return kind
     for point, fs in mounts:
-        point = point.replace("\\040", " ")
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # \040: a space, ...
         if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, kind = point, fs
     return kind
@@ -96,7 +95,8 @@ def name_fixes(*, device_loader: bool, workers: int, cpus: int, in_memory: bool,
                 f"default crop and flip)"]
     has = f"each rank here has {cpus} CPU{'s' if cpus > 1 else ''}"
     fixes = [f"more --workers ({workers} now; {has})" if workers < cpus else
-             f"more CPUs per rank (its {workers} workers already have the CPUs: {has}; #SBATCH --cpus-per-task)"]
+             f"more CPUs per rank (its {workers} worker{'s' if workers > 1 else ''} already have the CPUs: {has}; "
+             f"#SBATCH --cpus-per-task)"]
     if in_memory:
         fixes.append("--loader gpu (the data are in memory: the GPU crops and flips them in batches)")
     else:

@@ -389,6 +389,29 @@ def test_an_image_folder_changed_between_a_run_and_its_resume_is_refused_on_ever
     assert (out / "checkpoint.pt").read_bytes() == before
 
 
+SHARD_PER_RANK_LOAD_DATA = '''
+def load_data(cfg, env, train: bool = True):
+    """A folder per rank, as a user might shard the files by hand."""
+    root = f"{cfg.data_dir}/shard{env.rank}"
+    classes = dataset_utils.folder_classes(f"{root}/train")
+    return dataset_utils.image_folder(f"{root}/train", classes), dataset_utils.image_folder(f"{root}/test", classes)
+'''
+
+
+def test_a_folder_per_rank_is_refused_in_one_line_as_each_folder_is_listed_by_rank_0_for_all(tmp_path, png_folder):
+    """Rank 0 lists a folder for every rank: a rank that asks for another folder would silently get rank 0's list,
+    so it is refused, on both ranks, before any training."""
+    for rank in (0, 1):
+        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "data" / f"shard{rank}").symlink_to(png_folder)
+    script = adapted_script(tmp_path / "code", load_data=SHARD_PER_RANK_LOAD_DATA)
+    refused = run_adapted(script, [*FOLDER_RUN, "--data-dir", tmp_path / "data", "--out-dir", tmp_path / "run"],
+                          check=False)
+    assert refused.returncode != 0 and "Training started" not in refused.stdout
+    assert_one_line(refused.stdout + refused.stderr, f"error: rank 1 reads the image folder {tmp_path}/data/shard1/"
+                    f"train, rank 0 {tmp_path}/data/shard0/train: a folder is listed once, by rank 0, for every rank")
+
+
 # --------------------------------------------------------------------------- another model
 
 SMALL_CNN = '''

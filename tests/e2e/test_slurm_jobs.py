@@ -378,16 +378,17 @@ def test_a_job_that_reaches_its_time_limit_checkpoints_ends_and_the_same_command
 
 @pytest.fixture
 def node_disks(slurm, tmp_path):
-    """mount(size): a tmpfs of `size` mounted at one path on each node, in each slurmd's mount namespace: each
-    node's own local disk, as each host has one. Returns the path (as the jobs see it) and each node's view of it
-    from here."""
+    """mount(size): a tmpfs of `size` (or of sizes[node] for each node) mounted at one path on each node, in each
+    slurmd's mount namespace: each node's own local disk, as each host has one. Returns the path (as the jobs see
+    it) and each node's view of it from here."""
     mounted = []
 
-    def mount(size):
-        path = tmp_path / f"local-{size}"
+    def mount(sizes):
+        sizes = sizes if isinstance(sizes, dict) else dict.fromkeys(NODE_ADDR, sizes)
+        path = tmp_path / ("local-" + "-".join(sizes.values()))
         path.mkdir()
         views = {}
-        for node in NODE_ADDR:
+        for node, size in sizes.items():
             pid = subprocess.run(["pgrep", "-f", f"slurmd -N {node}"], capture_output=True,
                                  text=True).stdout.split()[0]
             proc = subprocess.run(["nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "-o", f"size={size}",
@@ -428,24 +429,33 @@ def load_data(cfg, env, train: bool = True):
 '''
 
 
+def image_folder_job(tmp_path, n_train: int, n_test: int, counted: bool = False) -> tuple:
+    """Real Fashion-MNIST PNG folders on "shared storage", their tar, and a project whose train_ddp.py reads them with
+    the README's image-folder load_data (COUNTED_READS' if `counted`), beside the project's jobs/ as a user's copy:
+    (the folders, the tar, the job's environment: STAGE_DATA and the project)."""
+    from test_adapt import adapted_script, readme_load_data, write_fashion_pngs
+    shared = write_fashion_pngs(tmp_path / "shared", n_train, n_test)
+    archive = tmp_path / "pngs.tar"
+    subprocess.run(["tar", "-cf", archive, "-C", shared, "train", "test"], check=True)
+    project, readme = tmp_path / "project", readme_load_data("image folders")
+    if counted:
+        readme = readme.replace("def load_data(", "def readme_load_data(") + "\n\n" + COUNTED_READS
+    adapted_script(project, load_data=readme)
+    (project / "jobs").symlink_to(os.path.join(ROOT, "jobs"))
+    return shared, archive, {"STAGE_DATA": str(archive), "PROJECT_DIR": str(project), "SLURM_TMPDIR": "",
+                             "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
 def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there_and_removed_each_run(
         slurm, tmp_path, node_disks):
     """STAGE_DATA=a tar of real Fashion-MNIST PNG folders, on 2 nodes x 2 ranks, each node with a local disk of its
     own, trained with the README's image-folder reader and requeued by the time-limit warning. In each of the 2
     runs: one extraction per node; rank 0 lists each class folder once, the 3 others none; the ranks open every
     image in the staged copy and none on shared storage; at each run's end each node's copy is gone."""
-    from test_adapt import adapted_script, readme_load_data, write_fashion_pngs
-    shared = write_fashion_pngs(tmp_path / "shared", 640, 128)
-    archive, (local, views) = tmp_path / "pngs.tar", node_disks("64m")
-    subprocess.run(["tar", "-cf", archive, "-C", shared, "train", "test"], check=True)
-    project = tmp_path / "project"  # the adapted train_ddp.py beside the project's jobs/, as a user's copy
-    readme = readme_load_data("image folders").replace("def load_data(", "def readme_load_data(")
-    adapted_script(project, load_data=readme + "\n\n" + COUNTED_READS)
-    (project / "jobs").symlink_to(os.path.join(ROOT, "jobs"))
+    shared, archive, env = image_folder_job(tmp_path, 640, 128, counted=True)
+    local, views = node_disks("64m")
     out, reads = tmp_path / "run", tmp_path / "reads"
-    env = {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(local), "PROJECT_DIR": str(project),
-           "READS_LOG": str(reads), "READS_UNDER": os.pathsep.join([str(shared), str(local)]),
-           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.update(LOCAL_DATA_DIR=str(local), READS_LOG=str(reads), READS_UNDER=os.pathsep.join([str(shared), str(local)]))
     job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
                       [*TINY, *CPU, "--batch-size", 32, "--epochs", 2, "--loader", "torch", "--log-every", 1,
                        "--out-dir", out], env=env)
@@ -505,23 +515,48 @@ def test_one_node_stages_a_folder_or_a_tar_of_any_compression_file_for_file(tmp_
     assert all((dest / f).read_bytes() == (data / f).read_bytes() for f in files)
 
 
+def test_scancel_while_training_on_staged_files_removes_the_copy_only_after_the_ranks_checkpointed(
+        slurm, tmp_path, node_disks):
+    """scancel signals every step at once, the staged copy's cleanup too; the rank reads on from the copy until its
+    checkpoint (up to 10 steps on: the ranks' stop check), so the cleanup waits for it to leave: no file goes
+    missing, and the copy is gone once the job has ended."""
+    _, archive, env = image_folder_job(tmp_path, 640, 64)
+    local, views = node_disks("64m")
+    out = tmp_path / "run"
+    job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=1"],
+                      [*TINY, *CPU, "--batch-size", 16, "--epochs", 1, "--loader", "torch", "--workers", 1,
+                       "--log-every", 1, "--out-dir", out], env={**env, "LOCAL_DATA_DIR": str(local)})
+    wait_for_line(job, log, "step 2/")
+    with paused(training_pids(out, log)):  # Slurm sends SIGCONT with its TERM
+        subprocess.run(["scancel", job], check=True)
+        wait_for(lambda: "signal received" in read(log), timeout=300, what="the job's shell taking the signal")
+    assert wait_job(job, log) == "CANCELLED", read(log)
+    text = read(log)
+    assert re.search(r"Stop requested \(SIGTERM\) in epoch 1 after step \d+", text), text
+    assert not [line for line in text.splitlines() if line.startswith("error: ")], text  # no file went missing
+    assert 0 < load_model_state(out)["progress"]["position"] < 640
+    wait_for(lambda: not os.listdir(views["node1"]), timeout=60, what="the staged copy removed")
+
+
 STAGED_TRAIN = [*TRAIN[2:], "--dataset", "cifar100"]  # the data: the staged archive's
 
 
-def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_before_training_in_one_line(
+def test_each_stage_data_refusal_ends_the_job_before_training_in_one_line_leaving_no_copy(
         slurm, tmp_path, node_disks):
-    """Each refusal ends the job before training with one line: a node's local disk with less free space than the
-    archive, an archive that does not extract (each staged on 2 nodes); no node-local directory, and STAGE_DATA
-    beside --data-dir (refused by the batch script itself, in multigpu.sh and srun_direct.sh)."""
+    """Each refusal ends the job before training with one line, and leaves no copy on any node: one node's local
+    disk with less free space than the archive (the other node's copy removed), an archive that does not extract
+    (each staged on 2 nodes); no node-local directory, and STAGE_DATA beside --data-dir (refused by the batch
+    script itself, in multigpu.sh and srun_direct.sh)."""
     archive = cifar_tar(tmp_path)
     truncated = tmp_path / "truncated.tar.gz"
     truncated.write_bytes(archive.read_bytes()[:archive.stat().st_size // 2])
-    (small, _), (large, views) = node_disks("64k"), node_disks("64m")
+    # node2's disk too small, node1's large enough: node1's copy is removed too
+    (small, small_views), (large, views) = node_disks({"node1": "64m", "node2": "64k"}), node_disks("64m")
     assert archive.stat().st_size > 64 * 1024
     two_nodes = ("multinode.sh", ["--nodes=2", "--gpus-per-node=1"])
     for name, (script, request), env, args, says in (
             ("small", two_nodes, {"STAGE_DATA": str(archive), "LOCAL_DATA_DIR": str(small)}, [],
-             rf"staging failed on node\d: {small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: "
+             rf"staging failed on node2: {small} has [\d.]+KiB free, but STAGE_DATA {archive} needs [\d.]+[KM]iB: "
              rf"ask for a node with more local disk \(#SBATCH --tmp=<size>, where the cluster grants it\), or unset "
              rf"STAGE_DATA to read the data where they are"),
             ("truncated", two_nodes, {"STAGE_DATA": str(truncated), "LOCAL_DATA_DIR": str(large)}, [],
@@ -542,7 +577,7 @@ def test_stage_data_refuses_a_too_small_local_disk_and_a_truncated_archive_befor
         errors = [line for line in read(log).splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and re.fullmatch(f"error: {says}", errors[0]), (name, errors, read(log))
         assert "Training started" not in read(log)
-    assert all(not os.listdir(view) for view in views.values())  # the partial extraction removed
+    assert all(not os.listdir(view) for view in [*views.values(), *small_views.values()])  # every copy removed
 
 
 def test_preflight_job_checks_both_nodes(slurm, tmp_path):

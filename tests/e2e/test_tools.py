@@ -97,6 +97,7 @@ def test_loader_check_reads_the_run_s_image_folder_on_every_rank_and_its_verdict
     after adapting: on 2 ranks it reads the real PNG files with the run's loader and worker, and its verdict is the
     one its measured figures make (which no test can choose: the machine's speed does)."""
     from test_adapt import ADAPTED_ENV, adapted_script, readme_load_data, write_fashion_pngs
+    from tools.loader_check import name_fixes
     pngs = write_fashion_pngs(tmp_path / "pngs", 320, 64)
     code = tmp_path / "code"
     adapted_script(code, load_data=readme_load_data("image folders"))
@@ -120,9 +121,11 @@ def test_loader_check_reads_the_run_s_image_folder_on_every_rank_and_its_verdict
         assert lines[3] == f"loader check: it keeps up: the slowest rank's loader delivers {step_s / load_s:.2f}x " \
                            "what its step consumes" and check["fixes"] == []
     else:
-        assert lines[3].startswith(f"loader check: it falls short: the slowest rank's loader delivers "
-                                   f"{step_s / load_s:.2f}x what its step consumes, so each step would wait for "
-                                   f"data {wait * 100:.0f}% of its time; the fixes: more --workers (1 now; ")
+        fixes = name_fixes(device_loader=False, workers=1, cpus=check["cpus_per_rank"], in_memory=False,
+                           data_dir=str(pngs), fs=check["file_system"])
+        assert lines[3] == (f"loader check: it falls short: the slowest rank's loader delivers {step_s / load_s:.2f}x "
+                            f"what its step consumes, so each step would wait for data {wait * 100:.0f}% of its time; "
+                            f"the fixes: {'; '.join(fixes)}") and check["fixes"] == fixes
     assert len(lines) == 4
 
 

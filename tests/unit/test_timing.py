@@ -133,9 +133,10 @@ def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_w
     assert out[-1] == "  epoch 2 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 23 s"
 
 
-def test_a_rank_waiting_for_data_most_of_its_step_is_said_to_outrun_its_loader_past_the_start_up_epoch():
+def test_a_rank_waiting_for_data_most_of_its_step_and_a_second_an_epoch_is_named_with_the_median_rank_s_share():
     """More than half of a rank's step waiting for data, and a second or more over the epoch: the line names it
-    with the median rank's share; less of either, none. (The epoch with the start-up: StepLog.finish_epoch.)"""
+    with the median rank's share; less of either, none. (The epoch with the start-up is left out by
+    StepLog.finish_epoch: e2e/test_diagnostics.py's slow-data test.)"""
     assert INPUT_BOUND_SHARE == 0.5
     ranks = [rank(r, data=0.02, compute=0.1, optimizer=0.01) for r in range(3)]
     assert find_input_bound(ranks) is None
