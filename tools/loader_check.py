@@ -20,17 +20,19 @@ def read_rate(loader, device, *, warmup: int, batches: int) -> dict:
     them, and nothing else: `warmup` untimed (the workers' start), then up to `batches` timed, in epoch 1; every rank
     stops at the same batch, whatever unreadable samples it skipped. Returns the images timed, their seconds and the
     shape the model gets."""
-    clock, images, seen, start, shape = Clock(device), 0, 0, None, None
+    clock, images, seen, shape = Clock(device), 0, 0, None
+    start = clock.mark() if warmup == 0 else None
     loader.batch_sampler.set_epoch(1)
     for batch, labels in loader:
-        if seen == warmup:
-            start = clock.mark()
-        elif seen == warmup + batches:
-            break
         batch, _ = batch.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         shape, seen = tuple(batch.shape[1:]), seen + 1
-        images += len(batch) if seen > warmup else 0
-    if start is None:
+        if seen == warmup:  # the clock starts before the first timed batch is asked for
+            start = clock.mark()
+        elif seen > warmup:
+            images += len(batch)
+            if seen == warmup + batches:
+                break
+    if images == 0:
         raise UserError(f"an epoch holds {seen} batches per rank, all taken by --warmup: give a smaller --warmup, "
                         f"so that some are timed")
     return {"images": images, "seconds": clock.seconds(start, clock.mark()), "shape": shape}

@@ -1,8 +1,10 @@
 """bench.py --loader-check's verdict and fixes (tools/loader_check.py), from given figures: the e2e test
 (e2e/test_tools.py) runs the check itself, whose figures no test can choose."""
 import pytest
+import torch
 
-from tools.loader_check import KEEPS_UP_WAIT, cpus_per_rank, file_system, judge, name_fixes, say_verdict
+from machinery.errors import UserError
+from tools.loader_check import KEEPS_UP_WAIT, cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict
 
 
 def test_a_loader_with_workers_keeps_up_when_its_slowest_rank_reads_a_batch_within_a_step():
@@ -57,3 +59,28 @@ def test_cpus_per_rank_counts_each_host_s_cpus_once_over_its_ranks():
 def test_file_system_names_the_mount_that_holds_the_path():
     assert file_system("/proc/self/status") == "proc"
     assert file_system("/") not in ("proc", "unknown")
+
+
+class Batches:
+    """A loader of `n` batches of 4 images, as the training loader yields them."""
+
+    class batch_sampler:
+        @staticmethod
+        def set_epoch(epoch):
+            pass
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        for _ in range(self.n):
+            yield torch.zeros(4, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, dtype=torch.long)
+
+
+def test_read_rate_times_the_batches_after_the_warm_up_and_refuses_an_epoch_the_warm_up_takes_whole():
+    cpu = torch.device("cpu")
+    assert read_rate(Batches(10), cpu, warmup=2, batches=5)["images"] == 20
+    assert read_rate(Batches(4), cpu, warmup=2, batches=5)["images"] == 8  # the epoch's end first
+    assert read_rate(Batches(10), cpu, warmup=0, batches=3)["shape"] == (3, 8, 8)
+    with pytest.raises(UserError, match="an epoch holds 2 batches per rank, all taken by --warmup"):
+        read_rate(Batches(2), cpu, warmup=2, batches=5)
