@@ -50,12 +50,13 @@ import train_ddp
 import train_utils as utils
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
+from machinery.launch import cpus_per_rank
 from machinery.output import log
 from machinery.timing import Clock
 from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.cpu_checks import cpu_checks, report_cpu_checks
-from tools.loader_check import cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict, usable_cpus
+from tools.loader_check import file_system, judge, name_fixes, read_rate, say_verdict
 from tools.original_script import original_batches, original_steps
 
 # The model and batch: the recipe's, and the small ones --cpu-checks takes unless told otherwise.
@@ -175,9 +176,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
     clock, loop = Clock(device), TrainSteps(model, training, cfg, step_log=step_log)
     loop.run(args.warmup)
     log("warm-up done: the timed steps begin")
-    start = clock.mark()
-    loop.run(args.steps)
-    step_s = clock.seconds(start, clock.mark()) / args.steps
+    step_s = loop.seconds_per_step(args.steps)
     peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None  # training, data included
     phase_steps = max(10, args.steps // 2)
     phases = time_phases(model, training, cfg, phase_steps)
@@ -228,9 +227,7 @@ def augment_share(args, env, data: du.ImageData) -> dict:
             training = train_ddp.build_training(cfg, env, checked)
             loop = TrainSteps(wrap(training.model, args, env, args.compile), training, cfg)
             loop.run(args.warmup)
-            start = clock.mark()
-            loop.run(args.steps)
-            step_s = clock.seconds(start, clock.mark()) / args.steps
+            step_s = loop.seconds_per_step(args.steps)
             batches = training.train_loader
             batches.batch_sampler.set_epoch(1)
             start, n = clock.mark(), 0
@@ -270,7 +267,7 @@ def loader_check(args, env) -> dict:
     read = read_rate(loader, env.device, warmup=args.warmup * cfg.accumulation_steps,
                      batches=args.steps * cfg.accumulation_steps)
     del loader
-    rates = all_gather((read["images"] / read["seconds"], platform.node(), usable_cpus()))
+    rates = all_gather((read["images"] / read["seconds"], platform.node()))
     # The step, fed from memory: --steps of distinct images (at most 1 GiB of them), as the loader shapes them.
     channels, height, width = read["shape"]
     n = max(1, min(args.steps, 2**30 // (cfg.batch_size * channels * height * width))) * cfg.batch_size
@@ -281,15 +278,13 @@ def loader_check(args, env) -> dict:
     checked = utils.CheckedData(images, images, spec, {}, du.loader_device(step_cfg, env, images, images))
     training = train_ddp.build_training(step_cfg, env, dataclasses.replace(checked, train=None))
     training.train_loader = du.build_loaders(checked, step_cfg, env)[0]  # no transform: the images as they are
-    loop, clock = TrainSteps(wrap(training.model, args, env, args.compile), training, step_cfg), Clock(env.device)
+    loop = TrainSteps(wrap(training.model, args, env, args.compile), training, step_cfg)
     loop.run(args.warmup)
-    start = clock.mark()
-    loop.run(args.steps)
-    step_s = clock.seconds(start, clock.mark()) / args.steps
-    per_rank = [rate for rate, _, _ in rates]
+    step_s = loop.seconds_per_step(args.steps)
+    per_rank = [rate for rate, _ in rates]
     verdict = judge(read_per_rank=per_rank, step_s=step_s, per_rank_batch=cfg.per_rank_batch,
                     overlapped=not device_loader and cfg.num_workers > 0)
-    cpus = cpus_per_rank([(host, cpus) for _, host, cpus in rates], platform.node())
+    cpus = max(1, cpus_per_rank(env))  # rank 0's, which says these lines
     fixes = name_fixes(device_loader=device_loader, workers=cfg.num_workers, cpus=cpus, in_memory=in_memory,
                        data_dir=cfg.data_dir, fs=fs)
     slowest = min(range(env.world_size), key=per_rank.__getitem__)
@@ -300,7 +295,7 @@ def loader_check(args, env) -> dict:
         f"all ({env.world_size} {env.device.type} process(es), the images already on the device)")
     log(say_verdict(verdict, fixes))
     return {"loader": workers, "data": data.source, "file_system": fs, "images_per_s_per_rank": per_rank,
-            "hosts": [host for _, host, _ in rates], "cpus_per_rank": cpus, "step_s": step_s,
+            "hosts": [host for _, host in rates], "cpus_per_rank": cpus, "step_s": step_s,
             "step_images_per_s_per_rank": consumed, **verdict, "fixes": [] if verdict["keeps_up"] else fixes,
             "what": "images per second per rank: the training loader's batches copied to the device, after "
             "`warmup` untimed steps, all ranks at once; the step: the recipe's train_one_epoch on images of the "

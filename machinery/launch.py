@@ -97,9 +97,15 @@ def gather_ranks(env: DistEnv) -> list:
 
 
 def default_workers(env: DistEnv) -> int:
-    """Loader workers per rank for --workers -1: its share of usable CPUs (srun's tasks own theirs), at most 8."""
-    cpus = len(os.sched_getaffinity(0))
-    return min(8, cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus)
+    """Loader workers per rank for --workers -1: its CPUs (cpus_per_rank), at most 8."""
+    return min(8, cpus_per_rank(env))
+
+
+def cpus_per_rank(env: DistEnv) -> int:
+    """This rank's share of the CPUs it may run on (Slurm and taskset bind it to some; all where the OS does not say):
+    torchrun's ranks share their task's, srun's tasks own theirs. 0 where ranks outnumber the CPUs."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus
 
 
 def host_name() -> str:

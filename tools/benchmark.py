@@ -79,6 +79,13 @@ class TrainSteps:
                 raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
             self.steps, n = self.steps + k, n - k
 
+    def seconds_per_step(self, n: int) -> float:
+        """run(n), timed: the mean seconds of a step (GPU time on CUDA: machinery.timing.Clock)."""
+        clock = Clock(self.training.normalize.scale.device)
+        start = clock.mark()
+        self.run(n)
+        return clock.seconds(start, clock.mark()) / n
+
     def save(self, progress) -> None:
         pass
 

@@ -1,6 +1,6 @@
 """What bench.py --loader-check measures with: the run's training loader read without training (read_rate), the
-file system the data sit on, the CPUs each rank has, and the verdict (judge) with the fixes that fit this run
-(name_fixes). bench.py times the step the loader feeds."""
+file system the data sit on, and the verdict (judge) with the fixes that fit this run (name_fixes). bench.py times
+the step the loader feeds."""
 import os
 import re
 
@@ -51,18 +51,6 @@ def file_system(path: str) -> str:
         if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, kind = point, fs
     return kind
-
-
-def usable_cpus() -> set:
-    """The CPUs this process may run on (Slurm and taskset bind it to some); all of them where the OS does not say."""
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-
-
-def cpus_per_rank(hosts_and_cpus: list, host: str) -> int:
-    """The CPUs this host's ranks may run on (each rank's affinity, all of them together) over its ranks: every
-    rank's (host, CPU set), gathered."""
-    here = [cpus for name, cpus in hosts_and_cpus if name == host]
-    return max(1, len(set().union(*here)) // len(here))
 
 
 def judge(*, read_per_rank: list, step_s: float, per_rank_batch: int, overlapped: bool) -> dict:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from machinery.errors import UserError
-from tools.loader_check import KEEPS_UP_WAIT, cpus_per_rank, file_system, judge, name_fixes, read_rate, say_verdict
+from machinery.launch import DistEnv, cpus_per_rank, default_workers
+from tools.loader_check import KEEPS_UP_WAIT, file_system, judge, name_fixes, read_rate, say_verdict
 
 
 def test_a_loader_with_workers_keeps_up_when_its_slowest_rank_reads_a_batch_within_a_step():
@@ -49,11 +50,14 @@ def test_the_verdict_says_the_share_of_the_step_spent_waiting_and_the_fixes_only
                                                      "2.00x what its step consumes")
 
 
-def test_cpus_per_rank_counts_each_host_s_cpus_once_over_its_ranks():
-    torchrun = [("a", {0, 1, 2, 3}), ("a", {0, 1, 2, 3}), ("b", set(range(16)))]  # one task's CPUs, shared
-    assert cpus_per_rank(torchrun, "a") == 2 and cpus_per_rank(torchrun, "b") == 16
-    srun = [("a", {0, 1}), ("a", {2, 3})]  # srun: one task, with its own CPUs, per rank
-    assert cpus_per_rank(srun, "a") == 2
+def test_cpus_per_rank_shares_torchrun_s_task_among_its_ranks_and_gives_an_srun_task_its_own(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")  # torchrun: 2 ranks on this node share the task's 4 CPUs
+    assert cpus_per_rank(DistEnv(local_world_size=2)) == 2 and cpus_per_rank(DistEnv(local_world_size=8)) == 0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # srun: one task, with its own CPUs, per rank
+    assert cpus_per_rank(DistEnv(local_world_size=2)) == 4
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)))
+    assert default_workers(DistEnv(local_world_size=2)) == 8  # --workers -1: at most 8
 
 
 def test_file_system_names_the_mount_that_holds_the_path():
