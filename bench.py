@@ -111,6 +111,10 @@ def get_args_parser(loader_check: bool = False):
         "random erasing, mixup/cutmix): the step with and without it, and its loader alone, on both loaders")
     add("--loader-check", action="store_true", help="read batches from --data-dir with the run's loader and "
         "workers, and say whether they keep up with the step (give the run's flags: train_ddp.py's defaults)")
+    add("--candidates", action="store_true", help="time ways to a faster step side by side, each against "
+        "the default: compile modes, twice the batch, the optimizer step compiled; and the evaluation's cost")
+    add("--compile-backend", default="inductor", help="torch.compile's backend (eager, aot_eager: a dry run "
+        "that checks the plumbing, not the compiler's speed)")
     add("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
     return p
 
@@ -135,16 +139,24 @@ def recipe_config(args, env, **flags) -> config.RunConfig:
     return config.make_config(recipe, env)
 
 
-def wrap(model, args, env, compile_model: bool, step_log=None):
+def wrap(model, args, env, compile_model: bool, step_log=None, mode=None):
     """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph; `step_log`:
-    the utils.StepLog that times DDP's all-reduce, as train() has it (None: DDP's own C++ all-reduce)."""
+    the utils.StepLog that times DDP's all-reduce, as train() has it (None: DDP's own C++ all-reduce); `mode`:
+    torch.compile's (None: --compile-mode)."""
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb,
                     static_graph=args.static_graph, **utils.NO_FORWARD_BUFFER_SYNC)
         if step_log is not None:
             step_log.watch_ddp(model)
-    return torch.compile(model, dynamic=False) if compile_model else model
+    return compile_fn(model, args, mode) if compile_model else model
+
+
+def compile_fn(fn, args, mode=None):
+    """torch.compile(fn) as train() calls it, with --compile-mode (or `mode`) and bench.py's --compile-backend."""
+    if args.compile_backend != "inductor":  # the backends but inductor take no mode
+        return torch.compile(fn, dynamic=False, backend=args.compile_backend)
+    return torch.compile(fn, dynamic=False, mode=mode or args.compile_mode)
 
 
 def bench_images(args) -> du.ImageData:
@@ -207,6 +219,101 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
             "after `warmup` untimed steps", "steps": args.steps, "warmup": args.warmup, "accum_steps": accum,
             "phases": phases, "augment_epoch_s": aug_epoch_s, "augment_epoch_images": len(data.labels),
             "flops_per_image": flops, "peak_memory_gib": peak_memory}
+
+
+# ----------------------------------------------------------------------------- speed candidates
+
+def candidates(args, env, data: du.ImageData, write) -> dict:
+    """Ways to make the recipe's step faster, each timed as bench_ours times the step (train_one_epoch, --steps
+    after --warmup, a fresh model, compiled afresh), side by side in this process, each as a ratio to the first,
+    today's default (the flags given). In order of value, so that a run cut short keeps the first; `write(result)`
+    after each. Then what evaluating the test set costs an epoch. --deterministic runs in a process of its own
+    (cuBLAS's setting must come before CUDA starts): bench.py --deterministic."""
+    per_gpu = args.batch_size // env.world_size
+    rows = [("default", {}, False), ("compile-mode reduce-overhead", {"compile_mode": "reduce-overhead"}, False),
+            (f"batch {2 * per_gpu} per GPU", {"batch_size": 2 * args.batch_size}, False),
+            ("optimizer step compiled", {}, True),
+            ("compile-mode max-autotune-no-cudagraphs", {"compile_mode": "max-autotune-no-cudagraphs"}, False),
+            ("default, again", {}, False)]  # the spread of one configuration timed twice in one run
+    result = {"what": "images per second of the recipe's train_one_epoch, --steps after --warmup, each row with a "
+              "fresh model and compile; ratio: to the default row (once both default rows ran, to their mean)",
+              "rows": {}}
+    eval_model = None
+    for name, flags, optimizer_compiled in rows:
+        torch._dynamo.reset()  # a fresh compile: the cache of one model's forward holds at most 8 graphs
+        cfg = recipe_config(args, env, **flags)
+        candidate = argparse.Namespace(**{**vars(args), **flags})
+        training = train_ddp.build_training(cfg, env, bench_data(candidate, cfg, env, data))
+        model = wrap(training.model, candidate, env, args.compile)
+        if optimizer_compiled:
+            compile_optimizer_step(training.optimizer, args)
+        loop, clock = TrainSteps(model, training, cfg), Clock(env.device)
+        start = clock.mark()
+        loop.run(args.warmup)
+        warmup_s = clock.seconds(start, clock.mark())
+        step_s = loop.seconds_per_step(args.steps)
+        row = {"flags": flags, "optimizer_compiled": optimizer_compiled, "step_s": step_s,
+               "images_per_s": cfg.batch_size / step_s, "warmup_s": warmup_s, "peak_memory_gib":
+               torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None}
+        row["ratio"] = row["images_per_s"] / result["rows"].get("default", row)["images_per_s"]
+        result["rows"][name] = row
+        if name == "default, again":
+            default = statistics.mean(result["rows"][d]["images_per_s"] for d in ("default", name))
+            for other in result["rows"].values():
+                other["ratio"] = other["images_per_s"] / default
+        log(f"candidate {name}: {row['images_per_s']:.0f} img/s, {row['ratio']:.3f}x the default "
+            f"(warm-up {warmup_s:.1f} s)")
+        write(result)
+        if name == "default":  # the evaluation's cost, with this model: the test set, as each epoch scores it
+            eval_model = compile_fn(training.model, args) if args.compile else training.model
+            result["evaluation"] = time_evaluation(eval_model, training, cfg, env, row["images_per_s"])
+            write(result)
+        del model, training, loop
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(env.device)
+    return result
+
+
+def compile_optimizer_step(optimizer, args) -> None:
+    """optimizer.step compiled into one graph (torch.compile's tutorial), in place of fused SGD: its LR a tensor,
+    filled with the float train_one_epoch sets, so that a new LR each step is no recompile."""
+    lrs = []
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = False, None
+        lrs.append(torch.tensor(float(group["lr"]), device=group["params"][0].device))
+        group["lr"] = lrs[-1]
+    step = compile_fn(optimizer.step, args, mode="default")
+
+    def step_with_tensor_lr(*a, **kw):
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if not isinstance(group["lr"], torch.Tensor):
+                lr.fill_(group["lr"])
+                group["lr"] = lr
+        return step(*a, **kw)
+    optimizer.step = step_with_tensor_lr
+
+
+def time_evaluation(eval_model, training, cfg, env, images_per_s: float) -> dict:
+    """train_ddp.evaluate over the test split (after one untimed pass), against an epoch of 50,000 training
+    images at `images_per_s`: what evaluating every epoch costs the run."""
+    loader, clock = training.test_loader, Clock(env.device)
+    count = sum(all_gather(sum(len(labels) for _, labels in loader)))  # every rank's shard
+
+    def score():
+        return train_ddp.evaluate(eval_model, loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
+                                  expected_count=count, tta=cfg.tta)
+    score()
+    start = clock.mark()
+    score()
+    eval_s = clock.seconds(start, clock.mark())
+    epoch_s = 50_000 / images_per_s
+    out = {"eval_s": eval_s, "images": count, "train_epoch_s": epoch_s, "share": eval_s / (eval_s + epoch_s),
+           "what": "evaluate() of `images` test images (after one untimed pass), against a 50,000-image epoch "
+           "at the default row's rate"}
+    log(f"evaluation: {count} test images in {eval_s:.3f} s, against {epoch_s:.2f} s for a 50,000-image epoch: "
+        f"{out['share'] * 100:.1f}% of an epoch with it")
+    return out
 
 
 # ------------------------------------------------------------------------- the modern recipe's augmentation
@@ -347,8 +454,10 @@ def main(args):
             raise UserError(f"--{name} must be at least {least}, got {getattr(args, name)}")
     if args.dataset != "synthetic" and not args.loader_check:  # bench_data and the CPU checks make their own
         raise UserError("bench.py times the step on synthetic images in memory: leave --dataset out")
+    if args.deterministic:  # as train_ddp.main: before CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env = train_ddp.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
-    torch.backends.cudnn.benchmark = True
+    train_ddp.choose_kernels(deterministic=args.deterministic)
     try:
         if args.cpu_checks:  # the recipe's loop on CPU, without DDP
             env = dataclasses.replace(env, device=torch.device("cpu"))
@@ -360,8 +469,19 @@ def main(args):
         result = {"config": vars(args), "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                   else cpu_name(), "world_size": env.world_size, "torch": torch.__version__,
                   "amp_dtype": str(cfg.amp_dtype), "hosts": sorted(set(all_gather(platform.node())))}
+        device_name = "".join(c if c.isalnum() else "_" for c in result["device"])[:40]
+        path = args.json or os.path.join("runs", "bench", f"bench-{device_name}-{env.world_size}x.json")
+
+        def write(partial=None):  # runs/ is git-ignored
+            if env.is_main:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                write_json(path, result if partial is None else {**result, "candidates": partial})
         if args.loader_check:
             result["loader_check"] = loader_check(args, env)
+        elif args.candidates:
+            if not args.compile:
+                raise UserError("--candidates compares compile modes and a compiled optimizer step: add --compile")
+            result["candidates"] = candidates(args, env, bench_images(args), write)
         elif args.augment_share:
             result["augment_share"] = augment_share(args, env, bench_images(args))
         elif args.cpu_checks:
@@ -387,13 +507,8 @@ def main(args):
                 result["original"], result["speedup_vs_original"] = original, ips / original["images_per_s"]
                 log(f"the original script's pipeline: {original['images_per_s']:.0f} img/s; ours is "
                     f"{result['speedup_vs_original']:.2f}x")
-        device_name = "".join(c if c.isalnum() else "_" for c in result["device"])[:40]
-        name = f"bench-{device_name}-{env.world_size}x.json"
-        path = args.json or os.path.join("runs", "bench", name)  # runs/ is git-ignored
-        if env.is_main:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            write_json(path, result)
-            log(f"wrote {path}")
+        write()
+        log(f"wrote {path}")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -20,6 +20,9 @@ WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=5
                  reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
                  momentum=0.9, nesterov=True, weight_decay=5e-4, patience=0)
 
+# torch.compile's modes (--compile-mode): bench.py --candidates times each against the default.
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
+
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe
     # wrn-paper + the mirror at evaluation (--tta), the measured pick: not measurably better (bench-results/README.md)
@@ -123,6 +126,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument("--evaluate", action="store_true",
                    help="score the checkpoint in --out-dir on its test set, and exit")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic cuDNN and cuBLAS kernels, cudnn.benchmark off: repeatable GPU runs, slower")
     g.add_argument("--tensorboard", action="store_true", help="also log the epoch metrics to out-dir/tensorboard")
     g.add_argument("--profile", action="store_true",
                    help="trace steps 4-8 of the first epoch on each rank into out-dir/profile")
@@ -157,7 +164,8 @@ RESUME_RULES = {
     # the run
     "recipe": NOTED, "out_dir": QUIET, "seed": DATA, "device": QUIET, "amp": QUIET, "timeout": QUIET,
     "log_every": QUIET, "checkpoint_every": QUIET, "keep_checkpoints": QUIET, "stop_after_epoch": QUIET,
-    "evaluate": QUIET, "compile": QUIET, "tensorboard": QUIET, "profile": QUIET,
+    "evaluate": QUIET, "compile": QUIET, "compile_mode": QUIET, "tensorboard": QUIET, "profile": QUIET,
+    "deterministic": (NOTED, False),  # the kernels change, not the recipe: a resume may turn it on or off
 }
 
 

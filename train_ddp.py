@@ -288,7 +288,7 @@ def train(cfg, env, found, lock) -> int:
                     **utils.NO_FORWARD_BUFFER_SYNC)
         step_log.watch_ddp(model)  # DDP's all-reduce, timed: computing and waiting apart in the step's time split
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
-        model, eval_model = torch.compile(model, dynamic=False), torch.compile(eval_model, dynamic=False)
+        model, eval_model = (torch.compile(m, dynamic=False, mode=cfg.compile_mode) for m in (model, eval_model))
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
     checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
@@ -303,12 +303,14 @@ def train(cfg, env, found, lock) -> int:
             stopping = stop.check(env.device)  # a stop request at the epoch's end, agreed by all ranks
             score = functools.partial(evaluate, eval_model, normalize=training.normalize,
                                       amp_dtype=cfg.amp_dtype, tta=cfg.tta)
+            eval_start = time.perf_counter()
             val = score(training.test_loader, expected_count=len(data.test))  # the original's "validation"
             if training.val_loader is not None:  # --val-size: the held-out split validates, the test reports
                 test = {k.replace("val_", "test_"): v for k, v in val.items()}
                 val = {**score(training.val_loader, expected_count=len(data.val)), **test}
             metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg,
-                                            timing=step_log.finish_epoch(env.rank))  # every rank's time split
+                                            timing=step_log.finish_epoch(env.rank),  # every rank's time split
+                                            eval_s=time.perf_counter() - eval_start)
             utils.log_epoch(metrics, cfg.epochs, top5=data.spec.num_classes > 5)  # the original's four lines
             progress.stopped_early = progress.reached_target(cfg.target_accuracy, cfg.patience)
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
@@ -341,7 +343,7 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
     scores_ema = training.ema is not None and bool(training.ema.n_averaged)
     model = training.ema.module if scores_ema else training.model
-    model = torch.compile(model, dynamic=False) if cfg.compile else model
+    model = torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
     utils.log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
               f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with "
               f"{env.world_size} process{'es' if env.world_size > 1 else ''}")
@@ -369,11 +371,22 @@ def init_distributed(device: str, timeout_s: float) -> utils.DistEnv:
     return env
 
 
+def choose_kernels(*, deterministic: bool) -> None:
+    """cuDNN's and cuBLAS's kernels. By default the fastest for each (fixed) input shape, found by timing them:
+    which one wins, and so how its sums round, may differ from run to run. --deterministic: the same kernels and
+    sums every run (cudnn.benchmark off, deterministic algorithms; an op that has none warns), slower."""
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
 def main(args, explicit=frozenset()) -> int:
     """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
     evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
     write)."""
     lock = None
+    if args.deterministic:  # cuBLAS reads it when CUDA starts (init_distributed), so it is set first
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
         check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
@@ -381,7 +394,7 @@ def main(args, explicit=frozenset()) -> int:
         # the checkpoint to continue, and the flags it rules
         found = utils.find_checkpoint(args, explicit, env, rules=RESUME_RULES)
         cfg = make_config(args, env, found)  # every flag and what the world makes of them, computed once
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN pick its fastest kernels
+        choose_kernels(deterministic=cfg.deterministic)
         return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)
     except utils.UserError as e:
         return utils.leave_on_user_error(e)

@@ -180,15 +180,21 @@ class Progress:
         recent = [m["val_acc"] for m in self.history[-patience:]]
         return len(recent) == patience and min(recent) >= target
 
-    def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict) -> dict:
+    def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict, eval_s: float = 0.0) -> dict:
         """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training sums, the
-        test metrics `val`, the last step's LR, its time, and `timing`: StepLog.finish_epoch's every rank's
-        split), kept in the history. Returns the row."""
+        test metrics `val`, the last step's LR, its time, the evaluation's `eval_s`, the run's training and
+        training-plus-evaluation seconds so far, resumes included, and `timing`: StepLog.finish_epoch's every
+        rank's split), kept in the history. Returns the row."""
         sums = dict(zip(EPOCH_SUMS, self.sums))
         count = sums["samples"]
+        before = self.history[-1] if self.history else {}
+        train_s = before.get("train_time_s", sum(m["epoch_time_s"] for m in self.history)) + self.elapsed_s
         metrics = {"epoch": epoch, "train_loss": sums["loss_sum"] / max(sums["finite_samples"], 1),
                    "train_acc": sums["correct"] / max(count, 1), "train_samples": int(count), **val, "lr": lr,
-                   "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s}
+                   "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s, "eval_time_s": eval_s,
+                   # the time to an accuracy: the first row that reaches it (summary.json: --target-accuracy's)
+                   "train_time_s": train_s, "run_time_s": before.get("run_time_s", train_s - self.elapsed_s)
+                   + self.elapsed_s + eval_s}
         if sums["finite_samples"] < count:  # fp16: samples whose loss was not finite, in steps the scaler skipped
             metrics["nonfinite_samples"] = int(count - sums["finite_samples"])
         # --clip-grad-norm: the mean norm before clipping, and the steps with a non-finite one

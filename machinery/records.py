@@ -89,6 +89,11 @@ class RunFiles:
             "final_test_acc": history[-1].get("test_acc", history[-1]["val_acc"]) if history else 0.0,
             "config": self.config,
         }
+        # the first epoch at --target-accuracy, and the training seconds (and with evaluation) it took to get there
+        reached = next((m for m in history if m["val_acc"] >= self.cfg.target_accuracy), None)
+        summary.update(target_accuracy=self.cfg.target_accuracy, target_epoch=reached and reached["epoch"],
+                       target_train_time_s=reached and reached.get("train_time_s"),
+                       target_run_time_s=reached and reached.get("run_time_s"))
         if history and "test_acc" in history[0]:
             best = max(history, key=lambda m: m["val_acc"])  # the first of equals, as best.pt
             summary.update(best_val_epoch=best["epoch"], test_acc_at_best_val=best["test_acc"])
@@ -148,6 +153,11 @@ def provenance(config: dict, ranks: list) -> dict:
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
                      "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
                      "cudnn": torch.backends.cudnn.version() if cuda else None},
+        # the kernels' settings (train_ddp.choose_kernels; --deterministic), as this run applied them
+        "kernels": {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                    "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                    "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                    "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
         "world_size": len(ranks), "ranks": ranks,
         "slurm": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_") and "TOKEN" not in k},
         "start_time": now_iso(), "end_time": None,

@@ -49,8 +49,8 @@ ACCUM_RUN = ["--dataset", "synthetic", "--train-size", ACCUM_N_TRAIN, "--test-si
 
 # The metrics a resume may change: the timings (each rank's split, a slow rank or a lagging loader named, the peak
 # memory).
-TIMING_METRICS = ("epoch_time_s", "images_per_s", "rank_times", "slow_rank", "input_bound", "peak_memory_gib",
-                  "includes_start_up")
+TIMING_METRICS = ("epoch_time_s", "eval_time_s", "train_time_s", "run_time_s", "images_per_s", "rank_times",
+                  "slow_rank", "input_bound", "peak_memory_gib", "includes_start_up")
 
 
 # tests/fast_exit, first on every launched process's PYTHONPATH (conftest's pytest_configure; run_env)

@@ -221,3 +221,29 @@ def test_plot_writes_beside_one_run_or_named_after_several_in_runs_plots_which_g
                              capture_output=True, text=True)
     if ignored.returncode != 128:  # 128: not a git checkout
         assert ignored.stdout.split() == ["runs/plots/first+second.png"]
+
+
+def test_each_epoch_s_row_holds_the_run_s_training_seconds_so_far_and_summary_json_the_time_to_the_target(tmp_path):
+    """metrics.jsonl: each epoch's evaluation seconds, and the run's training seconds (and with evaluation) up to its
+    end, across a resume; summary.json: the first epoch at --target-accuracy and those seconds then (a time to an
+    accuracy, read off the run's own records)."""
+    out = tmp_path / "run"
+    run = ["--dataset", "synthetic", "--train-size", 1024, "--test-size", 256, "--batch-size", 32, "--epochs", 3,
+           "--base-lr", 0.05, "--reference-batch-size", 32, "--warmup-epochs", 0, *TINY, "--log-every", 0,
+           "--patience", 0, "--out-dir", out]
+    run_in_process([*run, "--stop-after-epoch", 2], check=True)
+    first, second = read_jsonl(out / "metrics.jsonl")
+    assert second["val_acc"] > first["val_acc"], (first, second)  # it learns (11% -> 20%, measured): epoch 2 is the
+    # first at its accuracy
+    target = second["val_acc"]
+    run_in_process([*run, "--target-accuracy", target], check=True)  # resumed for epoch 3
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [m["epoch"] for m in rows] == [1, 2, 3] and all(m["eval_time_s"] > 0 for m in rows)
+    for i, m in enumerate(rows):
+        assert m["train_time_s"] == pytest.approx(sum(r["epoch_time_s"] for r in rows[:i + 1]), rel=1e-9)
+        assert m["run_time_s"] == pytest.approx(sum(r["epoch_time_s"] + r["eval_time_s"] for r in rows[:i + 1]),
+                                                rel=1e-9)
+    summary = read_json(out / "summary.json")
+    assert summary["target_accuracy"] == target and summary["target_epoch"] == 2
+    assert summary["target_train_time_s"] == rows[1]["train_time_s"] < rows[2]["train_time_s"]
+    assert summary["target_run_time_s"] == rows[1]["run_time_s"]

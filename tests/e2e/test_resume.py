@@ -220,3 +220,29 @@ def test_a_run_that_changes_only_what_may_change_resumes(finished, tmp_path):
             in proc.stdout)
     assert "Resumed from" in proc.stdout and "Epoch 2/2" in proc.stdout and "Epoch 1/2" not in proc.stdout
     assert [m["epoch"] for m in read_jsonl(copy / "metrics.jsonl")] == [1, 2]
+
+
+def test_deterministic_sets_the_kernels_records_them_and_a_resume_that_changes_it_is_noted(tmp_path):
+    """--deterministic: cuDNN's and cuBLAS's deterministic algorithms, cudnn.benchmark off, CUBLAS_WORKSPACE_CONFIG
+    set before CUDA starts (an op without a deterministic algorithm warns); config.json and run.json say so. A resume
+    without it goes on with the default kernels, and its log says what changed."""
+    out = tmp_path / "run"
+    run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *TINY,
+           "--log-every", 0, "--out-dir", out]
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    try:
+        run_in_process([*run, "--deterministic", "--stop-after-epoch", 1], check=True)
+        assert read_json(out / "config.json")["deterministic"] is True
+        assert read_json(out / "run.json")["kernels"] == {
+            "deterministic_algorithms": True, "cudnn_deterministic": True, "cudnn_benchmark": False,
+            "cublas_workspace_config": ":4096:8"}
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        resumed = run_in_process(run, check=True)
+        assert "note: resumed with changes: --deterministic True -> False" in resumed.stdout
+        assert "Training completed successfully." in resumed.stdout
+        kernels = read_json(out / "run.json")["kernels"]
+        assert kernels["deterministic_algorithms"] is False and kernels["cudnn_benchmark"] is True
+    finally:  # this process runs other tests next
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2:]

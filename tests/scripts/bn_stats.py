@@ -1,7 +1,7 @@
 """Launched by torchrun: machinery.bn_stats.recompute_bn_stats on a conv -> BatchNorm model, each rank scoring its
 shard (r, r + W, ...) of N images in batches of B, so the shards and the last batches are uneven.
 
-Usage: bn_stats.py OUT_DIR N B
+Usage: bn_stats.py OUT_DIR N B [DEVICE]   (DEVICE: cpu, the default, with gloo; cuda: one GPU a rank, NCCL)
 Each rank saves its BatchNorm's running mean and variance to OUT_DIR/rank<r>.pt."""
 import os
 import sys
@@ -30,11 +30,11 @@ NORMALIZE = ((0.2, 0.3, 0.5), (0.1, 0.2, 0.3))
 
 if __name__ == "__main__":
     out, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    env = init_distributed("cpu", timeout_s=60)
+    env = init_distributed(sys.argv[4] if len(sys.argv) > 4 else "cpu", timeout_s=60)
     shard = images(n)[env.rank::env.world_size]
     loader = [(x, None) for x in shard.split(batch)]
-    net = model()
-    recompute_bn_stats(net, loader, normalize=du.Normalize(*NORMALIZE, torch.device("cpu")))
+    net = model().to(env.device)
+    recompute_bn_stats(net, loader, normalize=du.Normalize(*NORMALIZE, env.device))
     bn = net[1]
-    torch.save({"mean": bn.running_mean, "var": bn.running_var}, os.path.join(out, f"rank{env.rank}.pt"))
+    torch.save({"mean": bn.running_mean.cpu(), "var": bn.running_var.cpu()}, os.path.join(out, f"rank{env.rank}.pt"))
     torch.distributed.destroy_process_group()
