@@ -187,14 +187,15 @@ class Progress:
         rank's split), kept in the history. Returns the row."""
         sums = dict(zip(EPOCH_SUMS, self.sums))
         count = sums["samples"]
+        # The run's seconds so far, resumes included (a checkpoint from before these fields: its epochs' times).
         before = self.history[-1] if self.history else {}
         train_s = before.get("train_time_s", sum(m["epoch_time_s"] for m in self.history)) + self.elapsed_s
+        run_s = before.get("run_time_s", train_s - self.elapsed_s) + self.elapsed_s + eval_s
         metrics = {"epoch": epoch, "train_loss": sums["loss_sum"] / max(sums["finite_samples"], 1),
                    "train_acc": sums["correct"] / max(count, 1), "train_samples": int(count), **val, "lr": lr,
                    "epoch_time_s": self.elapsed_s, "images_per_s": count / self.elapsed_s, "eval_time_s": eval_s,
                    # the time to an accuracy: the first row that reaches it (summary.json: --target-accuracy's)
-                   "train_time_s": train_s, "run_time_s": before.get("run_time_s", train_s - self.elapsed_s)
-                   + self.elapsed_s + eval_s}
+                   "train_time_s": train_s, "run_time_s": run_s}
         if sums["finite_samples"] < count:  # fp16: samples whose loss was not finite, in steps the scaler skipped
             metrics["nonfinite_samples"] = int(count - sums["finite_samples"])
         # --clip-grad-norm: the mean norm before clipping, and the steps with a non-finite one
@@ -402,6 +403,8 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
                      f"{cfg.lr / cfg.base_lr:.3g}x above --base-lr {cfg.base_lr:g}; if the loss diverges, "
                      f"lengthen the warm-up (--warmup-epochs {cfg.warmup_epochs:g} now) or use "
                      f"--lr-scaling sqrt")
+    if cfg.compile_mode != "default" and not cfg.compile:
+        notes.append(f"--compile-mode {cfg.compile_mode} does nothing without --compile: add --compile")
     if cfg.warmup_epochs and cfg.warmup_epochs >= cfg.epochs / 2:
         notes.append(f"{cfg.warmup_epochs:g} of the {cfg.epochs} epochs warm up (--warmup-epochs "
                      f"{cfg.warmup_epochs:g}): the LR peaks only at epoch "

@@ -1,13 +1,13 @@
 """What a flag quietly does that a user probably did not mean is said in one line at the start
 (train_utils.flag_notes): a --batch-size that the LR rule turns into a far smaller or larger LR, a warm-up
 that takes most of a short run, a finished run extended with a larger --epochs whose schedule sends the LR back
-up."""
+up, a --compile-mode without --compile."""
 from types import SimpleNamespace
 
 from train_utils import flag_notes
 
 ORIGINAL_DEFAULTS = dict(batch_size=512, reference_batch_size=512, base_lr=0.01, lr=0.01, lr_scaling="linear",
-                         warmup_epochs=1.0, epochs=5, lr_schedule="cosine")
+                         warmup_epochs=1.0, epochs=5, lr_schedule="cosine", compile=False, compile_mode="default")
 
 
 def notes(ckpt=None, **changed):
@@ -37,6 +37,12 @@ def test_a_warm_up_that_takes_half_a_run_or_more_is_said():
         "5 of the 6 epochs warm up (--warmup-epochs 5): the LR peaks only at epoch 5; for a short run, lower "
         "--warmup-epochs"]
     assert notes(warmup_epochs=5.0, epochs=200) == [] and notes(warmup_epochs=0.0, epochs=1) == []
+
+
+def test_a_compile_mode_without_compile_is_said():
+    assert notes(compile_mode="reduce-overhead") == [
+        "--compile-mode reduce-overhead does nothing without --compile: add --compile"]
+    assert notes(compile=True, compile_mode="reduce-overhead") == [] and notes(compile=True) == []
 
 
 def test_a_finished_cosine_run_extended_with_more_epochs_says_its_lr_goes_back_up():
