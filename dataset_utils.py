@@ -75,10 +75,10 @@ def read_cifar100(data_dir: str, train: bool) -> ImageData:
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
     """Learnable images of CIFAR-100's shape and dtype (machinery/synthetic.py): for smoke runs, which then show
     learning, and for benchmarks."""
+    from machinery.data_names import SYNTHETIC_SOURCE
     from machinery.synthetic import learnable_images
     images, labels = learnable_images(n, train, seed=seed, num_classes=CIFAR100_CLASSES)
-    return ImageData(images, labels, num_classes=CIFAR100_CLASSES,
-                     source="synthetic (learnable, of CIFAR-100's shape)")
+    return ImageData(images, labels, num_classes=CIFAR100_CLASSES, source=SYNTHETIC_SOURCE)
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
@@ -104,13 +104,13 @@ def folder_classes(root) -> list:
     return classes_of(root)
 
 
-def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None):
+def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None, samples: int = 0):
     """A split of image files, root/<class>/<image>: machinery/image_folders.py's ImageFolderSplit, torchvision's
     ImageFolder for folders as users have them (hidden files left out, classes numbered by `classes`, images read
-    as they look). `mode`: "RGB" or "L". `size`: (height, width), or one number, to resize to; None: keep.
-    torchvision is imported only when called: its import costs every process a second."""
+    as they look). `mode`: "RGB" or "L". `size`: (height, width), or one number, to resize to; None: keep. `samples`
+    (cfg.train_size): that many images, spread over the sorted files (0: all). torchvision: imported when called."""
     from machinery.image_folders import ImageFolderSplit
-    return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size)
+    return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size, samples=samples)
 
 
 def mean_std(split, samples: int = 2000) -> tuple:
@@ -166,6 +166,7 @@ class CheckedData:
     val: object = None  # --val-size: the training samples held out to validate on (hold_out)
     source: str = ""  # what load_data returned and where from, for the records (describe_source)
     draws: str = ""  # where the training augmentation draws from (build_loaders), kept in checkpoints
+    sizes: str = ""  # the training images' sizes for the Data line: `3 x 32 x 32`, or a range (check_sizes)
 
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
@@ -188,10 +189,12 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
         call_and_agree(check_same_data, found, shape, fingerprints)
     device = loader_device(cfg, env, *splits.values())
     source = describe_source(train_data if train else test_data)
+    from machinery.data_names import check_sizes  # the Data line's; a note for a size flag load_data ignored
+    sizes = check_sizes(cfg, train_data if train else None, test_data, spec.channels)
     val_data = None
     if train and cfg.val_size:
         train_data, val_data = call_and_agree(hold_out, train_data, cfg.val_size)
-    return CheckedData(train_data, test_data, spec, fingerprints, device, val_data, source)
+    return CheckedData(train_data, test_data, spec, fingerprints, device, val_data, source, sizes=sizes)
 
 
 def loader_device(cfg, env, *splits):
@@ -392,7 +395,7 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     batch_sampler.set_epoch each epoch, step_split per batch); test and val (None without --val-size) score each
     image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
     cfg.skip_bad_samples unreadable samples per epoch."""
-    from machinery.transform_checks import check_transforms, is_crop_flip, where_transform_runs
+    from machinery.transform_checks import check_transforms, is_crop_flip, where_transform_runs, workers_take
     train_tf, test_tf, batch_tf = transforms
     shape = call_and_agree(check_transforms, data, train_tf, test_tf)  # what they return, before the first step
     device, in_memory_train = data.device, data.device is not None and data.train is not None
@@ -400,6 +403,8 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     if in_memory_train and train_tf is not None and not batched:
         device = where_transform_runs(train_tf, data.train.images[0], device=device, loader=cfg.loader,
                                       workers=cfg.num_workers)
+    if device is None:  # DataLoader workers: the transforms must pickle; a Dataset's transform said where it runs
+        workers_take(data.train, train_tf, test_tf, workers=cfg.num_workers)
     test = build_test_loader(data.test, cfg, env, device=device, transform=test_tf, shape=shape)
     val = None if data.val is None else build_test_loader(data.val, cfg, env, device, "validation", test_tf, shape)
     if data.train is None:

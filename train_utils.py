@@ -357,8 +357,9 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> No
     log(f"Global batch {cfg.batch_size} = {split}; LR {cfg.lr:.4g} ({rule}; {cfg.lr_schedule} after "
         f"{cfg.warmup_epochs:g} warm-up epochs)")
     spec = data.spec
+    sizes = data.sizes or f"{spec.channels} x {spec.height} x {spec.width}"  # a range where a Dataset's differ
     log(f"Data: {data.source}: {len(data.train)} training and {len(data.test)} test images of "
-        f"{spec.channels} x {spec.height} x {spec.width}, {spec.num_classes} classes; per-channel mean "
+        f"{sizes}, {spec.num_classes} classes; per-channel mean "
         f"{tuple(round(m, 4) for m in spec.mean)}, std {tuple(round(s, 4) for s in spec.std)}")
     if cfg.patience:
         log(describe_early_stopping(cfg))

@@ -188,14 +188,32 @@ stage_data() {
         echo "error: staging failed on ${reason:-a node (srun exited $status: its lines above say why)}" >&2
         exit 2
     fi
-    # Each node's copy goes at the job's end, however it ends: Slurm then signals this step's tasks, which wait for
-    # the node's ranks to leave it (stage_node.sh). --overlap shares the job's CPUs, memory and GPUs with the training
-    # step (Slurm 22.05 on), which still gets them all.
-    "${step[@]}" --overlap bash "$PROJECT_DIR/jobs/stage_node.sh" --remove "$STAGED_DIR" &
-    RECIPE+=(--data-dir "$STAGED_DIR")
+    # Each node's copy goes at the run's end (end_staging), or when Slurm signals this step's tasks (scancel, the time
+    # limit), which wait for the node's ranks to leave it (stage_node.sh). --overlap shares the job's CPUs, memory and
+    # GPUs with the training step (Slurm 22.05 on), which still gets them all.
+    "${step[@]}" --overlap --job-name="$STAGE_STEP" bash "$PROJECT_DIR/jobs/stage_node.sh" --remove "$STAGED_DIR" &
+    STAGE_CLEANUP=$!
+    # the copy, or the one folder a tar of the folder itself holds (tar -cf digits.tar digits): what each node printed
+    RECIPE+=(--data-dir "$(bash "$PROJECT_DIR/jobs/stage_node.sh" --data-dir "$STAGED_DIR")")
     [[ -n "${CONTAINER:-}" ]] && LAUNCH=(apptainer exec --nv --bind "$binds,$local_dir" --pwd "$PROJECT_DIR"
                                           "$CONTAINER")
     return 0
+}
+
+STAGE_STEP=ddp-staged-copy STAGE_CLEANUP=""  # the cleanup step's name, and its srun's pid while it runs
+
+# The staged copies removed before the run's last line, so that both logs end with that line: the cleanup step's
+# tasks get a HUP (a TERM would be logged as the step's cancellation), remove their node's copy and end the step
+# before the job ends (else Slurm cancels it then, and srun's and slurmstepd's lines come after the run's).
+end_staging() {
+    [[ -n "$STAGE_CLEANUP" ]] || return 0
+    local id="" tries=0
+    while [[ -z "$id" ]] && kill -0 "$STAGE_CLEANUP" 2>/dev/null && (( tries++ < 60 )); do  # once Slurm lists it
+        id=$(squeue -h -s -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null | awk -v n="$STAGE_STEP" '$2 == n {print $1}')
+        [[ -n "$id" ]] || sleep 0.5
+    done
+    [[ -n "$id" ]] && scancel --signal=HUP "$id" 2>/dev/null && wait "$STAGE_CLEANUP" 2>/dev/null
+    STAGE_CLEANUP=""
 }
 
 # The start of every training job (multigpu.sh, multinode.sh, srun_direct.sh), one call so that they stay
@@ -261,6 +279,7 @@ run_requeueable() {
     while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done
     wait "$pid" || status=$?
     trap - USR1 TERM
+    end_staging  # STAGE_DATA: each node's copy removed, said before the run's last line
     # The ranks' own word that they stopped on request with a checkpoint (StopRequest.say_stopped).
     local saved="" reason=""
     [[ -e "$DDP_STOP_FILE.saved" ]] && saved=yes

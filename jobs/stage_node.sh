@@ -7,9 +7,22 @@
 #   stage_node.sh --remove DEST              wait for the job's end (Slurm then ends this step), and for this node's
 #       training on DEST to end too (a scancel or a preemption signals every step at once, and the ranks read on until
 #       their checkpoint), at most until Slurm's KillWait is nearly spent; then remove DEST
+#   stage_node.sh --data-dir DEST            print the folder --data-dir is: DEST, or the one folder at its top when
+#       that holds train/ (a tar of the folder itself: tar -cf digits.tar digits)
 set -uo pipefail
 export LC_ALL=C  # tar's and cp's messages, matched below, in English
-node=$(hostname)
+node=${SLURMD_NODENAME:-$(hostname)}  # Slurm's name for this node: two nodes may share a host or a hostname
+
+# DEST, or its only folder (hidden entries aside: a Mac's ._ files) when that folder holds train/: the image folder
+data_dir() {
+    local entries
+    mapfile -t entries < <(find "$1" -mindepth 1 -maxdepth 1 -not -name '.*')
+    if [[ ${#entries[@]} -eq 1 && -d "${entries[0]}/train" ]]; then echo "${entries[0]}"; else echo "$1"; fi
+}
+if [[ "${1:-}" == --data-dir ]]; then
+    data_dir "$2"
+    exit 0
+fi
 
 human() {  # bytes, as du -h writes them
     numfmt --to=iec-i --suffix=B "$1" 2>/dev/null || echo "$1 bytes"
@@ -62,6 +75,11 @@ else
         fail "STAGE_DATA $src does not extract (${out##*$'\n'}): a truncated or corrupt archive? check it with tar -tf, and copy it again"; }
 fi
 seconds=$(( ($(date +%s%N) - start) / 1000000 ))
-# its top level, which --data-dir now is: train/ and test/ for an image folder (a tar of the folder itself holds one more)
-top=$(find "$dest" -mindepth 1 -maxdepth 1 \( -type d -printf '%f/\n' -o -printf '%f\n' \) | sort | head -n 6 | paste -sd' ')
-echo "=== $node: staged $(human "$(du -sb "$dest" | cut -f1)") in $(find "$dest" -type f | wc -l) files of $src into $dest in $((seconds / 1000)).$(printf %03d $((seconds % 1000))) s; --data-dir holds: ${top:-nothing}"
+# --data-dir: the copy, or the one folder a tar of the folder itself holds (data_dir); its top level: train/ and test/
+data=$(data_dir "$dest") is=""
+[[ "$data" != "$dest" ]] && is="--data-dir is the one folder at its top, $data, which "
+top=$(find "$data" -mindepth 1 -maxdepth 1 \( -type d -printf '%f/\n' -o -printf '%f\n' \) | sort | head -n 6 |
+      paste -sd' ')
+size=$(human "$(du -sb "$dest" | cut -f1)") files=$(find "$dest" -type f | wc -l)
+took="$((seconds / 1000)).$(printf %03d $((seconds % 1000)))"
+echo "=== $node: staged $size in $files files of $src into $dest in $took s; ${is:---data-dir }holds: ${top:-nothing}"

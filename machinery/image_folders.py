@@ -4,6 +4,7 @@ reader an adapter calls is dataset_utils.image_folder, which imports this (and t
 import functools
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,9 +67,11 @@ class ImageFolderSplit(ImageFolder):
       is refused in one line naming it;
     - each image is read as it looks: turned by its EXIF orientation, 16-bit ones scaled to 8 bits (PIL's
       convert would clip them white), then converted to `mode`: "RGB" (3 channels) or "L" (1), and resized to
-      `size` if given."""
+      `size` if given;
+    - `samples` (--train-size, --test-size) keeps that many images, spread evenly over the sorted list (every class
+      in its share; the first N would be the first classes alone), the same in every run (0: all)."""
 
-    def __init__(self, root: str, classes: list | None = None, mode: str = "RGB", size=None):
+    def __init__(self, root: str, classes: list | None = None, mode: str = "RGB", size=None, samples: int = 0):
         self.given_classes, self.hidden = classes, []
         size = (size, size) if isinstance(size, int) else size
         self.resize_to = size  # (height, width) every image is resized to, or None
@@ -88,9 +91,20 @@ class ImageFolderSplit(ImageFolder):
                     else "")
             raise UserError(f"the class folder {folder} {why}{more}: give it its images, or remove it (a "
                             f"class with no test images needs no test folder)")
+        if samples:
+            self.keep_spread(samples)
         if self.hidden:
             log(f"{root}: left out {len(self.hidden)} hidden files (names that start with '.', such as "
                 f"{self.hidden[0]}: a Mac's ._ metadata, .DS_Store, .ipynb_checkpoints)")
+
+    def keep_spread(self, samples: int) -> None:
+        """Keep `samples` of the images, spread evenly over the list (as mean_std picks them)."""
+        n = len(self.samples)
+        if samples > n:
+            raise UserError(f"{self.root} holds {n} images, fewer than the {samples} asked for (--train-size or "
+                            f"--test-size): ask for at most {n}, or 0 for all")
+        self.samples = [self.samples[i * n // samples] for i in range(samples)]
+        self.imgs, self.targets = self.samples, [label for _, label in self.samples]
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
         """The (file, label) list: made by rank 0 alone and sent to the other ranks, so that a job lists the
@@ -149,14 +163,38 @@ def read_image(path: str, mode: str = "RGB", size: tuple | None = None) -> Image
 
 def mean_std(split, samples: int = 2000) -> tuple:
     """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
-    sums over `samples` images spread evenly (0: all); unreadable ones skipped. Read by rank 0 alone, sent to all."""
-    return call_once_and_share(measure_mean_std, split, samples, folder=getattr(split, "root", "the split"))
+    sums over `samples` images spread evenly (0: all); unreadable ones skipped. Read by rank 0 alone, sent to all.
+    The sizes of the images read are kept as split.image_sizes (ImageSizes), for the Data line."""
+    mean, std, sizes = call_once_and_share(measure_mean_std, split, samples,
+                                           folder=getattr(split, "root", "the split"))
+    try:
+        split.image_sizes = sizes
+    except AttributeError:  # a Dataset that takes no attributes: the Data line gives the first image's size
+        pass
+    return mean, std
+
+
+@dataclass(frozen=True)
+class ImageSizes:
+    """The heights and widths of the images mean_std read: `read` of the split's `total`."""
+    heights: tuple
+    widths: tuple
+    read: int
+    total: int
+
+    def describe(self, channels: int) -> str:
+        """`1 x 12..16 x 12..16`, and of how many images where not all were read."""
+        def span(low, high):
+            return f"{low}" if low == high else f"{low}..{high}"
+        seen = "" if self.read == self.total else f" (in the {self.read} of {self.total} read)"
+        return f"{channels} x {span(*self.heights)} x {span(*self.widths)}{seen}"
 
 
 def measure_mean_std(split, samples: int) -> tuple:
     n = len(split)
     picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]
     total = squares = count = 0
+    heights, widths = [], []
     for i in picked:
         try:
             x = split[i][0].to(torch.int64)
@@ -164,7 +202,10 @@ def measure_mean_std(split, samples: int) -> tuple:
             continue
         total, squares, count = (total + x.sum(dim=(1, 2)), squares + (x * x).sum(dim=(1, 2)),
                                  count + x[0].numel())
+        heights.append(x.shape[1])
+        widths.append(x.shape[2])
     if not count:
         raise UserError(f"none of the {len(picked)} samples of {getattr(split, 'root', 'the split')} read: "
                         f"cannot compute their mean and std")
-    return mean_std_of_sums(total, squares, count)
+    sizes = ImageSizes((min(heights), max(heights)), (min(widths), max(widths)), len(heights), n)
+    return (*mean_std_of_sums(total, squares, count), sizes)

@@ -31,7 +31,9 @@ class RunFiles:
     partial line or an epoch that trains again. Made by every rank (it gathers hosts and devices for run.json)."""
 
     def __init__(self, cfg, env: DistEnv, data, *, history: list, lock):
-        config = {**cfg.to_dict(), "data": data.source, "data_spec": asdict(data.spec)}
+        from machinery.data_names import records_name  # "dataset": the data as the Data line names them
+        config = {**cfg.to_dict(), "dataset": records_name(cfg.dataset, cfg.data_dir, data.source),
+                  "data": data.source, "data_spec": asdict(data.spec)}
         self.cfg, self.env, self.config, self.lock = cfg, env, config, lock
         self.ranks = gather_ranks(env)
         self.n_train, self.n_test = len(data.train), len(data.test)

@@ -80,6 +80,23 @@ def check_transforms(data, train, test) -> tuple:
     return shape
 
 
+def check_sendable(transforms: dict) -> None:
+    """UserError, naming the transform, unless each of `transforms` ({"training": ..., "test": ...}, None: none)
+    pickles: the DataLoader workers get them pickled from a forkserver (machinery/loader_workers.py), so a lambda or a
+    function defined inside build_transforms cannot reach them. Said before any worker starts, in one line."""
+    import pickle
+    for name, transform in transforms.items():
+        if transform is None:
+            continue
+        try:
+            pickle.dumps(transform)
+        except Exception as e:  # noqa: BLE001 - pickle raises PicklingError, AttributeError or TypeError
+            raise UserError(f"the {name} transform (build_transforms in train_ddp.py) cannot be sent to the "
+                            f"DataLoader workers ({str(e).splitlines()[0]}): make each of its functions a top-level "
+                            f"function or class of a module (not a lambda or a function defined inside "
+                            f"build_transforms), or run with --workers 0") from None
+
+
 def transform_rate(transform, image: torch.Tensor, images: int = 20) -> float:
     """Images a second `transform` takes, seeded, on `image`'s device, one at a time."""
     seeded(transform, (image,), 0)  # the first call's start-up left out
@@ -105,3 +122,16 @@ def where_transform_runs(transform, image: torch.Tensor, *, device, loader: str,
     from machinery.loader_workers import check_worker_sockets
     call_and_agree(check_worker_sockets, workers)
     return None
+
+
+def workers_take(train, train_tf, test_tf, *, workers: int) -> None:
+    """For the DataLoader's loaders (`train`: None for --evaluate): a Dataset's training transform, said where it runs,
+    per image, with its rate; then, with workers, the check that they can be sent the transforms (check_sendable)."""
+    if train is not None and train_tf is not None and not isinstance(getattr(train, "images", None), torch.Tensor):
+        where = (f"in {workers} DataLoader worker{'s' if workers > 1 else ''} per rank" if workers else
+                 "in each rank's own process (--workers 0)")
+        rate = transform_rate(train_tf, first_image(train, "training"))
+        log(f"Augmentation: the training transform runs per image {where}, with the reads of load_data's Dataset; "
+            f"{rate:.0f} img/s per process on this CPU, the reads apart (measured now)")
+    if workers:
+        call_and_agree(check_sendable, {"training": train_tf if train is not None else None, "test": test_tf})

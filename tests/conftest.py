@@ -24,7 +24,8 @@ from support import (ACCUM_RUN, CKPT_RUN, FAST_EXIT, STARTED, kill_all, launch_f
 # per worker as `--dist loadfile` gives them. A file not listed (the unit files, a new one) goes first: a short
 # one costs nothing there, a long one is where it should be; add a new end-to-end file's time here.
 FILE_SECONDS = {
-    "test_slurm_jobs.py": 503, "test_adapt.py": 347, "test_gpu_checklist.py": 240, "test_training_run.py": 335, "test_write_failures.py": 182,
+    "test_slurm_jobs.py": 503, "test_adapt.py": 372, "test_training_run.py": 335, "test_gpu_checklist.py": 240,
+    "test_write_failures.py": 182,
     "test_diagnostics.py": 181, "test_stop_signals.py": 139, "test_elastic.py": 121, "test_lr_rule.py": 114,
     "test_fault_tolerance.py": 106, "test_tools.py": 77, "test_resume.py": 69, "test_out_dir.py": 61,
     "test_modern_recipe.py": 59, "test_tool_signals.py": 58, "test_ddp_math.py": 45,

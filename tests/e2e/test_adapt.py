@@ -15,7 +15,7 @@ import torch
 
 import dataset_utils as du
 from support import (ROOT, SCRIPTS, TINY, assert_one_line, launch, launch_forked,
-                     load_model_state, read_json, read_jsonl, run_in_process)
+                     load_model_state, read_json, read_jsonl, run_in_process, torchrun_root_cause)
 
 FASHION = "/usr/share/datasets/fashion-mnist"
 FASHION_FILES = [f"{split}-{kind}-idx{d}-ubyte.gz"
@@ -271,7 +271,7 @@ def test_image_folder_dataset_trains_evaluates_exactly_and_resumes_mid_epoch_exa
     run = [*FOLDER_RUN, "--data-dir", png_folder, "--workers", 0]
     reference = tmp_path / "reference"
     proc = run_in_process([*run, "--out-dir", reference], script=script, check=True)
-    assert (": 600 training and 200 test images of 1 x 28 x 28, 10 classes; per-channel mean (0.286,)"
+    assert (": 600 training and 200 test images of 1 x 28 x 28 (the first), 10 classes; per-channel mean (0.286,)"
             in proc.stdout)
     metrics = read_jsonl(reference / "metrics.jsonl")
     assert all(m["train_samples"] == 600 and m["val_count"] == 200 for m in metrics)
@@ -412,6 +412,76 @@ def test_a_folder_per_rank_is_refused_in_one_line_as_each_folder_is_listed_by_ra
                     f"train, rank 0 {tmp_path}/data/shard0/train: a folder is listed once, by rank 0, for every rank")
 
 
+
+# --------------------------------------------------------------------------- a folder of mixed sizes, with its own ops
+
+MIXED_TRANSFORMS = '''
+def build_transforms(cfg, data) -> tuple:
+    from torchvision.transforms import v2
+    train = v2.Compose([v2.RandomResizedCrop(12, scale=(0.5, 1)), v2.RandomHorizontalFlip()])
+    return train, v2.Compose([v2.Resize(12), v2.CenterCrop(12)]), None
+'''
+# torchvision's idiom for an op of one's own, as a lambda: the workers cannot take it
+LAMBDA_TRANSFORMS = MIXED_TRANSFORMS.replace("v2.RandomHorizontalFlip()", "v2.Lambda(lambda x: 255 - x)")
+
+
+@pytest.fixture(scope="module")
+def mixed_folder(tmp_path_factory):
+    """60 training and 24 test PNGs of 3 classes, 12, 14 or 16 pixels a side (the first 14), as the digits come."""
+    from PIL import Image
+    root, noise = tmp_path_factory.mktemp("mixed"), np.random.default_rng(0)
+    for split, n in (("train", 60), ("test", 24)):
+        for i in range(n):
+            side = (14, 16, 12)[i // 3 % 3]
+            folder = root / split / f"digit_{i % 3}"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(noise.integers(0, 256, (side, side), dtype=np.uint8)).save(folder / f"{i:03d}.png")
+    return root
+
+
+def test_the_readme_folder_reader_honours_the_size_flags_and_the_records_name_its_data_and_sizes(tmp_path,
+                                                                                                 mixed_folder):
+    """The README's image-folder load_data with transforms of one's own, on 2 ranks with a loader worker each:
+    --train-size 30 and --test-size 12 train on 30 and score 12 images; the Data line gives the images' size range;
+    config.json, summary.json and run.json name the folder as the Data line does (not --dataset's cifar100); and a
+    line says where the training transform runs per image, with its rate."""
+    script = adapted_script(tmp_path / "code", load_data=readme_load_data("image folders"),
+                            build_transforms=MIXED_TRANSFORMS)
+    out = tmp_path / "run"
+    proc = run_adapted(script, [*TINY, "--data-dir", mixed_folder, "--train-size", 30, "--test-size", 12,
+                                "--batch-size", 10, "--epochs", 1, "--workers", 1, "--device", "cpu",
+                                "--log-every", 0, "--out-dir", out])
+    source = f"ImageFolderSplit of {mixed_folder}/train"
+    assert f"Data: {source}: 30 training and 12 test images of 3 x 12..16 x 12..16, 3 classes;" in proc.stdout
+    metrics = read_jsonl(out / "metrics.jsonl")[0]
+    assert metrics["train_samples"] == 30 and metrics["val_count"] == 12, metrics
+    assert re.search(r"^Augmentation: the training transform runs per image in 1 DataLoader worker per rank, with "
+                     r"the reads of load_data's Dataset; \d+ img/s per process on this CPU, the reads apart "
+                     r"\(measured now\)$", proc.stdout, re.M), proc.stdout
+    records = [read_json(out / "config.json"), read_json(out / "summary.json")["config"],
+               read_json(out / "run.json")["config"]]
+    assert all(r["dataset"] == r["data"] == source for r in records), records
+    assert "does nothing here" not in proc.stdout
+
+
+def test_a_transform_that_cannot_be_pickled_is_named_in_one_line_with_its_fix_before_any_worker_starts(
+        tmp_path, mixed_folder):
+    """A v2.Lambda of a lambda in build_transforms, with loader workers, under torchrun on 2 ranks: every rank out
+    before the first step, one error line naming the training transform and both ways out (torchrun's root cause
+    too), and no pickling warning of torch's."""
+    script = adapted_script(tmp_path / "code", load_data=readme_load_data("image folders"),
+                            build_transforms=LAMBDA_TRANSFORMS)
+    proc = run_adapted(script, [*TINY, "--data-dir", mixed_folder, "--batch-size", 10, "--epochs", 1, "--workers", 1,
+                                "--device", "cpu", "--out-dir", tmp_path / "run"], check=False, torchrun=True)
+    assert proc.returncode != 0 and "Epoch 1/" not in proc.stdout
+    output = proc.stdout + proc.stderr
+    line = assert_one_line(output, "error: the training transform (build_transforms in train_ddp.py) cannot be "
+                           "sent to the DataLoader workers (Can't pickle local object 'build_transforms.<locals>."
+                           "<lambda>'): make each of its functions a top-level function or class of a module (not "
+                           "a lambda or a function defined inside build_transforms), or run with --workers 0")
+    assert torchrun_root_cause(output) == line
+    assert "pickle error" not in output and "load_data's" not in line
+
 # --------------------------------------------------------------------------- another model
 
 SMALL_CNN = '''
@@ -534,7 +604,7 @@ def test_photos_of_any_size_train_through_the_transforms_alone_and_one_they_mis_
            "--device", "cpu", "--log-every", 0]
     script = adapted_script(tmp_path / "code", load_data=FOLDER_LOAD_DATA, build_transforms=PHOTO_TRANSFORMS)
     proc = run_adapted(script, [*run, "--out-dir", tmp_path / "run"])
-    assert ": 256 training and 64 test images of 1 x 32 x 32, 10 classes" in proc.stdout
+    assert ": 256 training and 64 test images of 1 x 32 x 32 (the first), 10 classes" in proc.stdout
     assert "Input: the transforms make each image 1 x 28 x 28, the model's input (the first training image: " \
            "1 x 32 x 32)" in proc.stdout
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]

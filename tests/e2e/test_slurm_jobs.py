@@ -429,14 +429,16 @@ def load_data(cfg, env, train: bool = True):
 '''
 
 
-def image_folder_job(tmp_path, n_train: int, n_test: int, counted: bool = False) -> tuple:
-    """Real Fashion-MNIST PNG folders on "shared storage", their tar, and a project whose train_ddp.py reads them with
-    the README's image-folder load_data (COUNTED_READS' if `counted`), beside the project's jobs/ as a user's copy:
-    (the folders, the tar, the job's environment: STAGE_DATA and the project)."""
+def image_folder_job(tmp_path, n_train: int, n_test: int, counted: bool = False, folder_itself: bool = False) -> tuple:
+    """Real Fashion-MNIST PNG folders on "shared storage", their tar (of train/ and test/, or of the folder itself that
+    holds them, `folder_itself`: shared/train/...), and a project whose train_ddp.py reads them with the README's
+    image-folder load_data (COUNTED_READS' if `counted`), beside the project's jobs/ as a user's copy: (the folders,
+    the tar, the job's environment: STAGE_DATA and the project)."""
     from test_adapt import adapted_script, readme_load_data, write_fashion_pngs
     shared = write_fashion_pngs(tmp_path / "shared", n_train, n_test)
     archive = tmp_path / "pngs.tar"
-    subprocess.run(["tar", "-cf", archive, "-C", shared, "train", "test"], check=True)
+    subprocess.run(["tar", "-cf", archive, *(["-C", tmp_path, "shared"] if folder_itself else
+                                             ["-C", shared, "train", "test"])], check=True)
     project, readme = tmp_path / "project", readme_load_data("image folders")
     if counted:
         readme = readme.replace("def load_data(", "def readme_load_data(") + "\n\n" + COUNTED_READS
@@ -448,15 +450,17 @@ def image_folder_job(tmp_path, n_train: int, n_test: int, counted: bool = False)
 
 def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there_and_removed_each_run(
         slurm, tmp_path, node_disks):
-    """STAGE_DATA=a tar of real Fashion-MNIST PNG folders, on 2 nodes x 2 ranks, each node with a local disk of its
-    own, trained with the README's image-folder reader and requeued by the time-limit warning. In each of the 2
-    runs: one extraction per node; rank 0 lists each class folder once, the 3 others none; the ranks open every
-    image in the staged copy and none on shared storage; at each run's end each node's copy is gone."""
-    shared, archive, env = image_folder_job(tmp_path, 640, 128, counted=True)
+    """STAGE_DATA=a tar of real Fashion-MNIST PNG folders, packed as the folder itself (shared/train/...), on 2 nodes
+    x 2 ranks, each node with a local disk of its own, trained with the README's image-folder reader and requeued by
+    the time-limit warning. In each of the 2 runs: one extraction per node, used as the one folder it holds; rank 0
+    lists each class folder once, the 3 others none; the ranks open every image in the staged copy and none on shared
+    storage; at each run's end each node's copy is gone, said before the run's own last line, which ends the .out
+    log, and no line of the cleanup step's (srun's, slurmstepd's) is left in the .err log."""
+    shared, archive, env = image_folder_job(tmp_path, 640, 128, counted=True, folder_itself=True)
     local, views = node_disks("64m")
-    out, reads = tmp_path / "run", tmp_path / "reads"
+    out, reads, err = tmp_path / "run", tmp_path / "reads", tmp_path / "job.err"
     env.update(LOCAL_DATA_DIR=str(local), READS_LOG=str(reads), READS_UNDER=os.pathsep.join([str(shared), str(local)]))
-    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2"],
+    job, log = sbatch("multinode.sh", tmp_path, ["--nodes=2", "--gpus-per-node=2", f"--error={err}"],
                       [*TINY, *CPU, "--batch-size", 32, "--epochs", 2, "--loader", "torch", "--log-every", 1,
                        "--out-dir", out], env=env)
     wait_for_line(job, log, "step 2/")
@@ -465,25 +469,28 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
         wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1")
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text, staged_dir = read(log), f"{local}/ddp-data-{job}"
+    data_dir = f"{staged_dir}/shared"
     assert "(restart 1)" in text and "Resumed from" in text and "Training completed successfully." in text
-    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s; --data-dir holds: "
-                        r"test/ train/$", text, re.M)
+    staged = re.findall(r"^=== (node\d): staged \S+ in 768 files of (\S+) into (\S+) in [\d.]+ s; --data-dir is the "
+                        rf"one folder at its top, {data_dir}, which holds: test/ train/$", text, re.M)
     assert sorted(node for node, _, _ in staged) == ["node1", "node1", "node2", "node2"], text  # per node, per run
     assert {(source, into) for _, source, into in staged} == {(str(archive), staged_dir)}
     removed = re.findall(rf"^=== (node\d): removed the staged copy {staged_dir}$", text, re.M)
     assert sorted(removed) == ["node1", "node1", "node2", "node2"], text
     assert all(not os.listdir(view) for view in views.values())
-    assert read_json(out / "config.json")["data_dir"] == staged_dir
+    assert read_json(out / "config.json")["data_dir"] == data_dir
+    assert re.fullmatch(r"=== \S+: finished with status 0", text.splitlines()[-1]), text
+    assert not re.search(r"Job step aborted|CANCELLED|STEP \d", read(err)), read(err)
 
     logged = {rank: open(f"{reads}.{rank}").read().splitlines() for rank in range(4)}
-    class_folders = [f"{staged_dir}/{split}/{d.name}" for split in ("train", "test")
+    class_folders = [f"{data_dir}/{split}/{d.name}" for split in ("train", "test")
                      for d in sorted((shared / split).iterdir())]
     assert sorted(line for line in logged[0] if line.startswith("list ") and "/class_" in line) == sorted(
         f"list {folder}" for folder in class_folders * 2)  # once per run
     assert not any(line.startswith("list ") for rank in (1, 2, 3) for line in logged[rank])
     opened = {line[5:] for lines in logged.values() for line in lines if line.startswith("open ")}
     images = {str(f) for f in shared.rglob("*.png")}
-    assert {f.replace(staged_dir, str(shared), 1) for f in opened if f.startswith(staged_dir)} == images
+    assert {f.replace(data_dir, str(shared), 1) for f in opened if f.startswith(staged_dir)} == images
     assert not any(f.startswith(str(shared)) or f == str(archive) for f in opened)
 
 
@@ -514,6 +521,32 @@ def test_one_node_stages_a_folder_or_a_tar_of_any_compression_file_for_file(tmp_
     assert sorted(p.relative_to(dest) for p in dest.rglob("*.png")) == files
     assert all((dest / f).read_bytes() == (data / f).read_bytes() for f in files)
 
+
+
+def test_a_tar_of_the_folder_itself_is_staged_as_that_folder_and_the_line_names_the_slurm_node(tmp_path):
+    """stage_node.sh as srun runs it, on a node whose Slurm name is not its hostname: a tar made of the folder itself
+    (tar -cf digits.tar digits, train/ and test/ inside) is used as that folder (--data-dir one level down, as the
+    batch script then asks for it); a tar whose one folder holds no train/ (cifar-100-python/) stays as it is; the
+    line names the node as Slurm does (SLURMD_NODENAME)."""
+    for split in ("train", "test"):
+        (tmp_path / "digits" / split / "class_0").mkdir(parents=True)
+        (tmp_path / "digits" / split / "class_0" / "0.png").write_bytes(b"png")
+    (tmp_path / "cifar-100-python").mkdir()
+    for name in ("train", "test", "meta"):
+        (tmp_path / "cifar-100-python" / name).write_bytes(b"pickle")
+    stage = os.path.join(ROOT, "jobs", "stage_node.sh")
+    one_folder = "--data-dir is the one folder at its top, {dest}/digits, which holds: test/ train/"
+    for folder, data_dir, holds in (("digits", "{dest}/digits", one_folder),
+                                    ("cifar-100-python", "{dest}", "--data-dir holds: cifar-100-python/")):
+        archive, dest = tmp_path / f"{folder}.tar", tmp_path / "local" / folder / "ddp-data-7"
+        subprocess.run(["tar", "-cf", archive, "-C", tmp_path, folder], check=True)
+        proc = subprocess.run(["bash", stage, archive, dest, "100", tmp_path / "report"], capture_output=True,
+                              text=True, env={**os.environ, "SLURMD_NODENAME": "gpu-node-17"})
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr
+        assert re.fullmatch(rf"=== gpu-node-17: staged \S+ in \d files of {archive} into {dest} in [\d.]+ s; "
+                            rf"{holds.format(dest=dest)}\n", proc.stdout), proc.stdout
+        asked = subprocess.run(["bash", stage, "--data-dir", dest], capture_output=True, text=True, check=True)
+        assert asked.stdout == data_dir.format(dest=dest) + "\n"
 
 def test_scancel_while_training_on_staged_files_removes_the_copy_only_after_the_ranks_checkpointed(
         slurm, tmp_path, node_disks):

@@ -15,7 +15,7 @@ from torchvision.transforms import v2
 
 import dataset_utils as du
 from machinery import bad_samples
-from machinery import data_checks
+from machinery import data_checks, data_names
 from machinery.errors import UserError
 from machinery.transform_checks import check_transforms
 
@@ -179,6 +179,59 @@ def test_mean_std_of_a_dataset_is_exact_over_all_or_over_an_even_sample():
     assert du.mean_std(items, samples=0) == data_checks.channel_stats(images)
     assert du.mean_std(items, samples=10) == data_checks.channel_stats(images[0::3])  # 10 of 30: every third
     assert du.mean_std(items, samples=10) != data_checks.channel_stats(images)
+
+
+
+def test_image_folder_samples_keeps_n_images_spread_evenly_over_every_class_and_refuses_more_than_it_holds(tmp_path):
+    """samples=N (the README passes --train-size, --test-size): N of the sorted files, every k-th, so every class
+    keeps its share (the first N would be the first classes alone), the same each time; more than it holds: refused."""
+    root = write_folder(tmp_path / "train", ["a", "b", "c"], per_class=4, size=4)
+    whole, kept = du.image_folder(root), du.image_folder(root, samples=6)
+    assert len(kept) == 6 and kept.samples == [whole.samples[i] for i in (0, 2, 4, 6, 8, 10)]
+    assert kept.targets == [0, 0, 1, 1, 2, 2] and kept.classes == ["a", "b", "c"]
+    assert du.image_folder(root, samples=6).samples == kept.samples
+    with pytest.raises(UserError, match=r"train holds 12 images, fewer than the 13 asked for \(--train-size or "):
+        du.image_folder(root, samples=13)
+
+
+def test_the_data_line_gives_the_size_range_of_the_images_mean_std_read_else_the_first_image_s_size_as_such(tmp_path):
+    """Images of 12, 14 and 16 pixels a side (the first 14): the range, once mean_std has read them all; the range
+    and how many it read, from a sample; a Dataset it did not read: the first image's size, said as the first's."""
+    root = tmp_path / "digits"
+    for i, side in enumerate((14, 12, 16, 14, 12, 16)):
+        (root / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("L", (side + i % 2, side)).save(root / f"d{i % 2}" / f"{i}.png")
+    data = du.image_folder(root, mode="L")
+    assert data_names.describe_sizes(data, 1) == "1 x 14 x 14 (the first)"
+    du.mean_std(data, samples=0)
+    assert data_names.describe_sizes(data, 1) == "1 x 12..16 x 12..17"
+    du.mean_std(data, samples=2)  # files 0 and 3: 14 x 14 and 12 x 13
+    assert data_names.describe_sizes(data, 1) == "1 x 12..14 x 13..14 (in the 2 of 6 read)"
+    assert data_names.describe_sizes(du.ImageData(torch.zeros(2, 3, 5, 7, dtype=torch.uint8), torch.zeros(2).long()),
+                             3) == "3 x 5 x 7"
+
+
+def test_a_size_flag_load_data_did_not_take_is_named_in_a_note(tmp_path, capsys):
+    """A load_data that returns all its samples though --train-size or --test-size asked for fewer: a note each."""
+    split = du.ImageData(torch.zeros(10, 1, 4, 4, dtype=torch.uint8), torch.zeros(10).long())
+    data_names.note_sizes_not_taken(SimpleNamespace(train_size=4, test_size=10), split, split)
+    data_names.note_sizes_not_taken(SimpleNamespace(train_size=0, test_size=0), split, split)
+    assert capsys.readouterr().out == (
+        "note: --train-size 4 does nothing here: load_data returned 10 samples; take the first cfg.train_size in "
+        "load_data (dataset_utils.image_folder: samples=cfg.train_size)\n")
+
+
+def test_the_records_call_the_data_of_dataset_by_its_name_and_any_other_data_by_their_source(tmp_path):
+    """What load_split reads is --dataset's data (the records keep its name); anything else load_data returns is
+    named by its source, as the Data line names it."""
+    from support import write_cifar100
+    write_cifar100(str(tmp_path), 4, 2, archive=False)
+    for dataset in ("synthetic", "cifar100"):
+        source = du.describe_source(du.load_split(dataset, str(tmp_path), True, 2))
+        assert data_names.records_name(dataset, str(tmp_path), source) == dataset
+    folder = du.describe_source(du.image_folder(write_folder(tmp_path / "f", "ab")))
+    assert data_names.records_name("cifar100", str(tmp_path), folder) == folder == f"ImageFolderSplit of {tmp_path}/f"
+    assert data_names.records_name("cifar100", str(tmp_path), "Fashion-MNIST in x") == "Fashion-MNIST in x"
 
 
 def test_image_folder_resizes_images_of_other_sizes_to_the_size_asked(tmp_path):
