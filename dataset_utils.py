@@ -1,14 +1,16 @@
 """The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100 or
-learnable synthetic data: load_split; image folders: image_folder), the DDP sampler (EpochSampler), the loaders.
-Images stay uint8 until they reach the device, where `Normalize` runs: the loader workers only read and augment
-them (it matters on clusters with few cores per GPU). Each image's augmentation draws from a seed of (seed, epoch,
-sample index) (transforms.py): the same for any number of ranks or workers, resumed or not."""
+learnable synthetic data: load_split; image folders: image_folder), the DDP samplers (torch's DistributedSampler,
+unpadded, ShardSampler; a step's micro-batches, StepSampler), the loaders. Images stay uint8 until they reach the
+device, where `Normalize` runs: the loader workers only read and augment them (it matters on clusters with few cores
+per GPU). Each image's augmentation draws from a seed of (seed, epoch, sample index) (transforms.py): the same for any
+number of ranks or workers, resumed or not."""
 import functools
+import itertools
 import numbers
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
@@ -272,27 +274,53 @@ def count_classes(train, test) -> int:
     return max(highest) + 1
 
 
-class EpochSampler:
-    """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys. The epoch's order is
-    randperm(seed + epoch), as in DistributedSampler. Global step s covers positions [s * batch, (s + 1) * batch) of it
-    whatever the world size, so `set_epoch(epoch, start=p)` resumes with exactly the samples the epoch has not seen,
-    even on another number of ranks or batch size. A step's positions are dealt to world_size x accum_steps virtual
-    ranks (deal_step), so W ranks x A micro-steps train on exactly the micro-batches W x A ranks would; each step yields
-    this rank's A micro-batches back to back, and `step_split` says where they part. Nothing is padded or dropped: the
-    short last step is dealt the same way (some micro-batches a sample smaller, or empty), so every rank takes the same
-    number of steps."""
+class ShardSampler(DistributedSampler):
+    """torch's DistributedSampler: rank r of num_replicas takes positions r, r + num_replicas, ... of the epoch's
+    order (randperm(seed + epoch) when shuffled; set_epoch each epoch). Two additions:
+    - no padding: torch repeats the order's first samples until every rank has as many; here a rank's share ends
+      with the data (a sample fewer, or none), so an epoch trains, and a test set scores, every sample once;
+    - a start: set_epoch(epoch, start) yields the epoch's positions from `start` on (a resumed epoch's rest)."""
 
-    def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
-                 seed: int = 0):
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size, self.accum_steps = rank, world_size, accum_steps
-        assert batch_size % (world_size * accum_steps) == 0, (
-            "the global batch splits into equal micro-batches")
+    def __init__(self, size: int, *, num_replicas: int, rank: int, shuffle: bool, seed: int = 0):
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=False)
+        self.virtual_rank, self.start = rank, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        # The rest of the epoch is dealt from `start`: this rank's first sample is the one at start + rank, which
+        # torch's share of rank (start + rank) % num_replicas holds (the same rank unless a run resumes at a step
+        # boundary of another batch size or world size).
+        self.start, self.rank = start, (start + self.virtual_rank) % self.num_replicas
+
+    def __iter__(self):
+        positions = range(self.rank, self.total_size, self.num_replicas)  # in the epoch's order, padding past it
+        return (i for p, i in zip(positions, super().__iter__()) if self.start <= p < len(self.dataset))
+
+    def __len__(self) -> int:
+        return len(range(self.start + self.virtual_rank, len(self.dataset), self.num_replicas))
+
+
+class StepSampler:
+    """The training loader's batch sampler: for each global step of `batch_size` samples, this rank's micro-batches,
+    one from each of its virtual ranks' shards (ShardSampler), back to back, as (epoch, index) keys (each image's
+    augmentation draws from both). Step s covers positions [start + s x batch, start + (s + 1) x batch) of the epoch's
+    order whatever the world size, so a resume, even on another number of ranks or batch size, trains exactly the
+    samples the epoch has not seen. The short last step is dealt the same way (some micro-batches a sample smaller,
+    or empty), so every rank takes the same number of steps; `step_split` says where the micro-batches part."""
+
+    def __init__(self, shards: list, *, batch_size: int):
+        self.shards, self.batch_size, self.num_samples = shards, batch_size, len(shards[0].dataset)
+        self.rank, self.accum_steps = shards[0].virtual_rank, len(shards)  # shard k: virtual rank rank + k x W
+        self.world_size = shards[0].num_replicas // self.accum_steps
+        assert batch_size % shards[0].num_replicas == 0, "the global batch splits into equal micro-batches"
         self.epoch, self.start, self.skipped = 0, 0, []
 
     def set_epoch(self, epoch: int, start: int = 0, skipped: list | None = None) -> None:
         """Sample `epoch`'s order from position `start`. `skipped`: the epoch's unreadable samples skipped so
         far (Progress.skipped), a list AgreedLoader adds to."""
+        for shard in self.shards:
+            shard.set_epoch(epoch, start)
         self.epoch, self.start, self.skipped = epoch, start, skipped if skipped is not None else []
 
     def step_split(self, position: int, skipped=()) -> tuple:
@@ -306,13 +334,9 @@ class EpochSampler:
         return step_samples, sizes
 
     def __iter__(self):
-        order = torch.randperm(self.num_samples,
-                               generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        for first in range(self.start, self.num_samples, self.batch_size):
-            step = order[first:first + self.batch_size]
-            yield [(self.epoch, step[i])
-                   for micro in deal_step(len(step), self.rank, self.world_size, self.accum_steps)
-                   for i in micro]
+        shares, micro_batch = [iter(shard) for shard in self.shards], self.batch_size // self.shards[0].num_replicas
+        for _ in range(len(self)):
+            yield [(self.epoch, i) for share in shares for i in itertools.islice(share, micro_batch)]
 
     def __len__(self) -> int:
         return -(-max(self.num_samples - self.start, 0) // self.batch_size)
@@ -320,8 +344,8 @@ class EpochSampler:
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
     """The positions in a step of `step_samples` that `rank`'s micro-steps take, one range each: micro-step k is
-    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps).
-    The one place the split is made: the sampler deals by it, and step_split splits the training batch by it."""
+    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps), as
+    its ShardSampler deals them; step_split splits the training batch by it."""
     v = world_size * accum_steps
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
 
@@ -405,8 +429,13 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     if data.train is None:
         return None, test, val
     seed = cfg.seed
-    sampler = EpochSampler(len(data.train), batch_size=cfg.batch_size, rank=env.rank,
-                           world_size=env.world_size, accum_steps=cfg.accumulation_steps, seed=seed)
+    # torch's DistributedSampler deals each epoch's order, randperm(seed + epoch), to world_size x accumulation_steps
+    # virtual ranks: micro-step k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train on
+    # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (the sampler's) each epoch.
+    virtual_ranks = env.world_size * cfg.accumulation_steps
+    shards = [ShardSampler(len(data.train), num_replicas=virtual_ranks, rank=env.rank + k * env.world_size,
+                           shuffle=True, seed=seed) for k in range(cfg.accumulation_steps)]
+    sampler = StepSampler(shards, batch_size=cfg.batch_size)
     data.draws = ("the device loader's crop and flip, from a hash" if batched else
                   "torchvision's ops, seeded per image and micro-batch")
     mix = None if batch_tf is None else Mix(batch_tf, num_classes=data.spec.num_classes, seed=seed,
@@ -421,8 +450,9 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
 
 
 def build_test_loader(split, cfg, env, device=None, split_name: str = "test", transform=None, shape=None):
-    """Rank r scores images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
-    shard = range(env.rank, len(split), env.world_size)
+    """Rank r scores images r, r + world_size, ... (DistributedSampler's shard, unshuffled): no padding, no dropping,
+    maybe none at all."""
+    shard = ShardSampler(len(split), num_replicas=env.world_size, rank=env.rank, shuffle=False)
     if device is not None:
         return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform,
                             split=split_name, shape=shape)
@@ -450,7 +480,7 @@ class AgreedLoader:
 
     def __init__(self, loader: DataLoader, limit: int = 0, mix=None):
         self.loader, self.limit, self.mix = loader, limit, mix
-        self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, EpochSampler) else None
+        self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, StepSampler) else None
         self.found, self.gaps = [], []  # unreadable since the last check; the last batch's
 
     def __len__(self):
@@ -482,7 +512,7 @@ class AgreedLoader:
 
 class DeviceLoader:
     """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
-    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same EpochSampler); the
+    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same StepSampler); the
     default crop and flip batched (transforms.crop_flip_batch, drawn from the hash: its own draws, as exact), another
     `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
 

@@ -109,8 +109,9 @@ def build_training(cfg, env, data) -> Training:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
-    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each rank
-    # its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r, r + W, ...
+    # The loaders' shards are torch's DistributedSampler's (dataset_utils.ShardSampler: padding left off, a resumed
+    # epoch's start): training, one per virtual rank (a micro-step of this rank), a new order each epoch (set_epoch);
+    # test, unshuffled: rank r scores r, r + W, ..., each image once.
     train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env,
                                                                         transforms=build_transforms(cfg, data.spec))
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
@@ -122,7 +123,7 @@ def build_training(cfg, env, data) -> Training:
 
 
 def train_step(model, images, labels, *, split, training: Training, cfg, step_log) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch: `split` (EpochSampler.step_split) is the
+    """One optimizer step on this rank's share of a global batch: `split` (StepSampler.step_split) is the
     step's samples over all ranks and this rank's micro-batch sizes; `labels`: classes, or soft targets
     (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and with
     --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. step_log times its
@@ -147,7 +148,7 @@ def train_step(model, images, labels, *, split, training: Training, cfg, step_lo
             scaler.scale(loss / per_rank).backward()
         hits = (logits.detach().argmax(1) == (y if y.dim() == 1 else y.argmax(1))).sum()  # soft: larger share
         stats = stats + utils.step_stats(loss.detach(), len(y), correct=hits)
-        # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks, rank
+        # Micro-step k plays virtual rank r + k x world_size (StepSampler). In a run of that many ranks, rank
         # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw
         # only virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:

@@ -19,7 +19,7 @@ def image_seed(seed: int, epoch: int, idx: int) -> int:
 class Mix:
     """`batch_transform` (torchvision's MixUp, CutMix or a RandomChoice of them) on each micro-batch of a step, drawn
     from (seed, epoch, the step's first position in the epoch's order, the micro-batch's virtual rank r + k x W): the
-    micro-batches are those of W x A ranks (EpochSampler), so is their mixing. Images become float (0-255), labels
+    micro-batches are those of W x A ranks (StepSampler), so is their mixing. Images become float (0-255), labels
     soft targets (N, classes)."""
 
     def __init__(self, batch_transform, *, num_classes: int, seed: int, rank: int, world_size: int):
