@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -139,9 +140,11 @@ def train_step(model, images, labels, *, split, training: Training, cfg, step_lo
     # the update is then the mean over the whole global batch, even when the last step is uneven.
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
+    ddp = getattr(model, "_orig_mod", model)  # the DDP model, under torch.compile's wrapper if compiled
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        # DDP all-reduces the gradients in the last micro-step's backward, overlapped; the others accumulate.
-        with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):
+        # DDP all-reduces the gradients in the last micro-step's backward, overlapped with it; in the others,
+        # no_sync() only accumulates them (an all-reduce per micro-step would cost A times the communication).
+        with ddp.no_sync() if k < len(micro_sizes) - 1 and isinstance(ddp, DDP) else nullcontext():
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(x)
                 loss = loss_fn(logits, y)  # an empty micro-batch gives 0 and leaves BN's statistics alone

@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -33,7 +32,7 @@ __all__ = [  # what the recipe calls, from here or from the machinery
     "run_cli", "read_launcher", "rendezvous", "all_gather", "host_name", "lock_out_dir", "find_checkpoint",
     "load_checked_data", "measure_data", "CheckedData",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch",
-    "lr_factor", "sync_gradients", "step_stats", "mean_loss", "LossCheck", "check_parameters_used",
+    "lr_factor", "step_stats", "mean_loss", "LossCheck", "check_parameters_used",
     "NO_FORWARD_BUFFER_SYNC", "STOP_CHECK_EVERY",
     "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
@@ -61,13 +60,6 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else {"broadcast_buffers": False})
-
-
-def sync_gradients(model, enabled: bool):
-    """A context for one backward: DDP all-reduces the gradients in it if `enabled`, and else only
-    accumulates them locally (DDP's no_sync), through torch.compile's wrapper; a no-op without DDP."""
-    ddp = getattr(model, "_orig_mod", model)
-    return ddp.no_sync() if not enabled and isinstance(ddp, DDP) else nullcontext()
 
 
 # The epoch's sums, one float64 tensor on the device (one all-reduce sums them all), slot by slot: the loss
@@ -229,7 +221,9 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
     flags to continue it with. Every rank raises the UserError that says why it cannot: an older format, a flag
     that `rules` (config.RESUME_RULES) refuses to change, another device type, a finished run asked to change.
     Its data and model are checked once built (load_checked_data, Checkpoint.restore)."""
-    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    def load(path):  # every rank reads it; weights_only: tensors and plain data, never pickled code
+        return torch.load(path, map_location=env.device, weights_only=True)
+    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, load, args.keep_checkpoints)  # newest that loads
     ckpt, path = loaded or (None, None)
     if ckpt is None:
         if args.evaluate:
@@ -324,8 +318,10 @@ class Checkpoint:
         # --val-size: an epoch's end with the best validation accuracy so far is also best.pt
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
         error = None
-        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them, whole then renamed
-            error = try_write(lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
+        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them
+            def write(f):  # into a temporary file, renamed over checkpoint.pt once whole (older ones shifted down)
+                torch.save(state, f)
+            error = try_write(lambda: save_checkpoint(out_dir, write, self.cfg.keep_checkpoints, best=best),
                               what=what, out_dir=out_dir, lock=self.lock)
         agree_on_error(error)  # every rank learns whether it worked: if not, all leave together, in one line
 
