@@ -354,7 +354,8 @@ class ImageDataset(Dataset):
     """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
     read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
     transforms.image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
-    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad too."""
+    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad
+    too."""
 
     def __init__(self, data, transform=None, seed: int = 0, split: str = "training", shape=None):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
