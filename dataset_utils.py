@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, de
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from transforms import Mix, crop_flip_batch, crop_padding, image_seed, mix64
+from transforms import CropFlip, Mix, crop_flip_batch, crop_padding, image_seed, mix64
 
 # CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -363,9 +363,9 @@ class ImageDataset(Dataset):
         first, any_size = tuple(data.images.shape[1:]) if self.in_memory else None, False
         if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
             from machinery.bad_samples import first_readable
-            from machinery.transform_checks import is_crop_flip  # the default crop: for images of the data's size
             first = tuple(first_readable(data, split)[0][0].shape)
-            any_size = transform is not None and not is_crop_flip(transform, first)  # photos through your transform
+            # photos through your transform; the default crop is for images of the data's size
+            any_size = transform is not None and not (isinstance(transform, CropFlip) and transform.size == first[1:])
         self.image_shape = tuple(shape or first) if transform is not None else first
         self.read_shape = (first[0], None, None) if any_size else first
 
@@ -417,11 +417,13 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     batch_sampler.set_epoch each epoch, step_split per batch); test and val (None without --val-size) score each
     image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
     cfg.skip_bad_samples unreadable samples per epoch."""
-    from machinery.transform_checks import check_transforms, is_crop_flip, where_transform_runs
+    from machinery.transform_checks import check_transforms, where_transform_runs
     train_tf, test_tf, batch_tf = transforms
     shape = call_and_agree(check_transforms, data, train_tf, test_tf)  # what they return, before the first step
     device, in_memory_train = data.device, data.device is not None and data.train is not None
-    batched = in_memory_train and is_crop_flip(train_tf, tuple(data.train.images.shape[1:]))
+    # build_transforms' default (CropFlip): batched on the device, for images of the size it was made for
+    batched = (in_memory_train and isinstance(train_tf, CropFlip)
+               and train_tf.size == tuple(data.train.images.shape[2:]))
     if in_memory_train and train_tf is not None and not batched:
         device = where_transform_runs(train_tf, data.train.images[0], device=device, loader=cfg.loader,
                                       workers=cfg.num_workers)
@@ -526,7 +528,7 @@ class DeviceLoader:
         self.shape = tuple(shape or data.images.shape[1:])  # what `transform` must return (check_transforms')
         self.pad = None
         images = data.images
-        if batched_crop_flip:  # the default training transform (transform_checks.is_crop_flip), batched
+        if batched_crop_flip:  # the default training transform (transforms.CropFlip), batched
             self.pad = crop_padding(*images.shape[-2:])  # padded once, up front
             images = torch.nn.functional.pad(images, (self.pad[1], self.pad[1], self.pad[0], self.pad[0]))
         self.images, self.labels = images.to(device), data.labels.to(device)

@@ -6,10 +6,11 @@
 
 One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
 process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU with gloo. Flags and presets
-(--recipe): config.py. Read top to bottom: the places marked ADAPT, where your model and data go (the data describe
-themselves; the model, normalisation and augmentation follow; a task other than classification also changes loss_fn
-and evaluate's metrics); then the DDP story: train_step, train_one_epoch, evaluate, and train(), which sets the run
-up, wraps the model in DDP and loops over the epochs.
+(--recipe): config.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
+the first three, its model, data and augmentation (the data describe themselves; the model, normalisation and
+augmentation follow; a task other than classification also changes loss_fn and evaluate's metrics). Then the DDP
+story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP and loops
+over the epochs.
 """
 import datetime
 import functools
@@ -29,10 +30,11 @@ import dataset_utils
 import train_utils as utils
 from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config  # the flags, the run's config
 from model import WideResNet
+from transforms import CropFlip  # the default augmentation, which the device loader batches
 
 
 def build_model(cfg, data) -> nn.Module:
-    # ADAPT (1/3): your model here, taking its input channels and classes from `data` (a DataSpec); in
+    # ADAPT (1/6): your model here, taking its input channels and classes from `data` (a DataSpec); in
     # model_config what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
     return WideResNet(cfg.depth, cfg.widen_factor, num_classes=data.num_classes, dropout=cfg.dropout,
                       in_channels=data.channels)
@@ -47,7 +49,9 @@ def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
     not asked for. The rest follows from what this returns: see train_utils.measure_data."""
-    # ADAPT (2/3): your data here.
+    # ADAPT (2/6): your data here: ImageData (uint8 N x C x H x W images, int64 labels) when they fit in memory,
+    # else a Dataset of (uint8 C x H x W, label). Image files as root/<class>/<image>: dataset_utils.image_folder,
+    # with folder_classes and mean_std (the README's worked examples; docs/adapt.md).
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
     return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size) if train else None,
@@ -55,13 +59,15 @@ def load_data(cfg, env, train: bool = True):
 
 
 def build_transforms(cfg, data) -> tuple:
-    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is; a uint8
-    C x H x W tensor in, one of the model's input size out) and each training micro-batch's (float images and
-    classes in, soft targets out). The loaders seed torch's generator per image and per micro-batch (docs/adapt.md)."""
+    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is) and each
+    training micro-batch's (float images and classes in, soft targets out). The loaders seed torch's generator per
+    image and per micro-batch (docs/adapt.md)."""
     from torchvision.transforms import v2  # here: torchvision's import costs every process a second
-    # ADAPT (3/3): your augmentation; photos, say: train [v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()], test
-    # [v2.Resize(256), v2.CenterCrop(224)]. The default, the WRN paper's: zero-pad an eighth of each side (4 for 32),
-    # crop back, mirror; the device loader batches these two on the GPU.
+    # ADAPT (3/6): your augmentation. Each image's transform takes a uint8 C x H x W tensor and returns one, of the
+    # model's input size (a PIL image: end with v2.PILToTensor()). Photos, say: train [v2.RandomResizedCrop(224),
+    # v2.RandomHorizontalFlip()], test [v2.Resize(256), v2.CenterCrop(224)]. A pipeline other than the default runs
+    # per image (in DataLoader workers, or on the GPU with --loader gpu); the default is batched on the GPU.
+    # The default, the WRN paper's: zero-pad an eighth of each side (4 for 32), crop back, mirror.
     pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
     train = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
     if cfg.auto_augment == "ta_wide":
@@ -71,6 +77,8 @@ def build_transforms(cfg, data) -> tuple:
     mix = [v2.MixUp(alpha=cfg.mixup_alpha, num_classes=data.num_classes)] if cfg.mixup_alpha else []
     mix += [v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=data.num_classes)] if cfg.cutmix_alpha else []
     batch = v2.RandomChoice(mix) if len(mix) == 2 else (mix[0] if mix else None)  # both: one of them, 50/50
+    if len(train) == 2:  # the default alone: the device loader crops and flips whole batches on the GPU
+        return CropFlip(v2.Compose(train), pad=(pad_y, pad_x), size=(data.height, data.width)), None, batch
     return v2.Compose(train), None, batch
 
 
@@ -273,14 +281,16 @@ def train(cfg, env, found, lock) -> int:
     eval_model = training.ema.module if training.ema is not None else model
 
     # ------------------------------------------------------------------ resume, then DDP
-    # What a checkpoint holds. ADAPT: other state a resume needs goes in `optional` (and the weight EMA, if on).
+    # What a checkpoint holds. ADAPT (4/6): other state a resume needs goes in `optional`, with what stands in for it
+    # in a checkpoint written before it (the weight EMA's, if on).
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
                                   model=model, optimizer=training.optimizer, scaler=training.scaler,
                                   optional={"model_ema": (training.ema, "the average starts from the weights")})
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
         # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
-        # statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads them needs it.
+        # statistics; evaluate() and checkpoints take rank 0's. ADAPT (5/6): a model whose forward in training reads
+        # its buffers needs them in sync: drop NO_FORWARD_BUFFER_SYNC (DDP then broadcasts rank 0's each forward).
         model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
                     gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
                     **utils.NO_FORWARD_BUFFER_SYNC)
@@ -313,8 +323,8 @@ def train(cfg, env, found, lock) -> int:
             recent = [m["val_acc"] for m in progress.history[-cfg.patience:]] if cfg.patience > 0 else []
             progress.stopped_early = len(recent) == cfg.patience > 0 and min(recent) >= cfg.target_accuracy
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
-            # ADAPT: an option that finalises its state at the end of training does it here, `if finished:`, before
-            # the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
+            # ADAPT (6/6): an option that finalises its state at the end of training does it here, `if finished:`,
+            # before the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
             checkpoint.save(progress)
             run_files.add_epoch(metrics)  # the original's four lines, metrics.jsonl
             if finished:  # run_files.finish says so if early

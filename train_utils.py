@@ -1,6 +1,7 @@
-"""What train_ddp.py uses, in the order it uses it: the LR schedule, gradient sync, the loss sums and their
-check, the unused-parameter check, where training stands (Progress), the checkpoint a run continues
-(find_checkpoint) and what a checkpoint holds (Checkpoint), and the original script's log lines. Below it,
+"""What train_ddp.py uses, in the order it uses it: the LR schedule, the loss sums, the unused-parameter check, the
+checks the ranks agree on (RunChecks: a stop request, a non-finite loss, unreadable samples), where training stands
+(Progress), the checkpoint a run continues (find_checkpoint: every rank's torch.load) and what a checkpoint holds
+(Checkpoint: rank 0's torch.save), and the original script's first lines. Below it,
 machinery/ (machinery/README.md). One error protocol throughout: a problem the user can fix is a UserError
 (exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0."""
 from __future__ import annotations
@@ -53,7 +54,7 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# ------------------------------------------------------------- the gradient all-reduce, and the loss sums
+# ------------------------------------------------------------- DDP's option, the loss sums
 
 # DDP's option that turns off its broadcast of the buffers before every forward: forward_sync_buffers since
 # torch 2.14 (broadcast_buffers, which older versions have, is deprecated there).
