@@ -12,7 +12,6 @@ import torch
 from machinery.checkpoints import ANY, DATA, MODEL, NOTED, QUIET, RECIPE
 from machinery.errors import UserError
 from machinery.launch import DistEnv, default_workers
-from model import depth_arg, width_arg
 
 # The WRN paper's CIFAR-100 recipe (Zagoruyko & Komodakis 2016: WRN-16-8, 79.6% top-1; x0.2 at 60/120/160), at batch
 # 512 by the linear rule with 5 warm-up epochs; the whole schedule, always: no early stopping (--patience 0).
@@ -22,6 +21,23 @@ WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=5
 
 # torch.compile's modes (--compile-mode): bench.py --candidates times each against the default.
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
+
+def depth_arg(text: str) -> int:
+    """--depth as argparse reads it: refused on the command line, in one line, unless it is 6n+4 (as
+    model.check_depth; the flags import no model)."""
+    depth = int(text) if text.lstrip("-").isdigit() else -1
+    if depth < 10 or (depth - 4) % 6 != 0:
+        raise argparse.ArgumentTypeError(f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got "
+                                         f"{text}")
+    return depth
+
+
+def width_arg(text: str) -> int:
+    """--widen-factor as argparse reads it: an integer of at least 1."""
+    if not text.lstrip("-").isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"WideResNet widen_factor must be an integer >= 1, got {text}")
+    return int(text)
+
 
 RECIPES = {
     "wrn-paper": WRN_PAPER,  # the job scripts' recipe

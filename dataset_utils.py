@@ -1,18 +1,20 @@
 """The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100 or
-learnable synthetic data: load_split; image folders: image_folder), the DDP sampler (EpochSampler), the loaders.
-Images stay uint8 until they reach the device, where `Normalize` runs: the loader workers only read and augment
-them (it matters on clusters with few cores per GPU). Each image's augmentation draws from a seed of (seed, epoch,
-sample index) (transforms.py): the same for any number of ranks or workers, resumed or not."""
+learnable synthetic data: load_split; image folders: image_folder), the DDP samplers (torch's DistributedSampler,
+unpadded, ShardSampler; a step's micro-batches, StepSampler), the loaders. Images stay uint8 until they reach the
+device, where `Normalize` runs: the loader workers only read and augment them (it matters on clusters with few cores
+per GPU). Each image's augmentation draws from a seed of (seed, epoch, sample index) (transforms.py): the same for any
+number of ranks or workers, resumed or not."""
 import functools
+import itertools
 import numbers
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from transforms import Mix, crop_flip_batch, crop_padding, image_seed, mix64
+from transforms import CropFlip, Mix, crop_flip_batch, crop_padding, image_seed, mix64
 
 # CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -275,27 +277,53 @@ def count_classes(train, test) -> int:
     return max(highest) + 1
 
 
-class EpochSampler:
-    """Which samples each rank trains on at each step: a batch sampler of (epoch, index) keys. The epoch's order is
-    randperm(seed + epoch), as in DistributedSampler. Global step s covers positions [s * batch, (s + 1) * batch) of it
-    whatever the world size, so `set_epoch(epoch, start=p)` resumes with exactly the samples the epoch has not seen,
-    even on another number of ranks or batch size. A step's positions are dealt to world_size x accum_steps virtual
-    ranks (deal_step), so W ranks x A micro-steps train on exactly the micro-batches W x A ranks would; each step yields
-    this rank's A micro-batches back to back, and `step_split` says where they part. Nothing is padded or dropped: the
-    short last step is dealt the same way (some micro-batches a sample smaller, or empty), so every rank takes the same
-    number of steps."""
+class ShardSampler(DistributedSampler):
+    """torch's DistributedSampler: rank r of num_replicas takes positions r, r + num_replicas, ... of the epoch's
+    order (randperm(seed + epoch) when shuffled; set_epoch each epoch). Two additions:
+    - no padding: torch repeats the order's first samples until every rank has as many; here a rank's share ends
+      with the data (a sample fewer, or none), so an epoch trains, and a test set scores, every sample once;
+    - a start: set_epoch(epoch, start) yields the epoch's positions from `start` on (a resumed epoch's rest)."""
 
-    def __init__(self, num_samples: int, *, batch_size: int, rank: int, world_size: int, accum_steps: int = 1,
-                 seed: int = 0):
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.rank, self.world_size, self.accum_steps = rank, world_size, accum_steps
-        assert batch_size % (world_size * accum_steps) == 0, (
-            "the global batch splits into equal micro-batches")
+    def __init__(self, size: int, *, num_replicas: int, rank: int, shuffle: bool, seed: int = 0):
+        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=False)
+        self.virtual_rank, self.start = rank, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        super().set_epoch(epoch)
+        # The rest of the epoch is dealt from `start`: this rank's first sample is the one at start + rank, which
+        # torch's share of rank (start + rank) % num_replicas holds (the same rank unless a run resumes at a step
+        # boundary of another batch size or world size).
+        self.start, self.rank = start, (start + self.virtual_rank) % self.num_replicas
+
+    def __iter__(self):
+        positions = range(self.rank, self.total_size, self.num_replicas)  # in the epoch's order, padding past it
+        return (i for p, i in zip(positions, super().__iter__()) if self.start <= p < len(self.dataset))
+
+    def __len__(self) -> int:
+        return len(range(self.start + self.virtual_rank, len(self.dataset), self.num_replicas))
+
+
+class StepSampler:
+    """The training loader's batch sampler: for each global step of `batch_size` samples, this rank's micro-batches,
+    one from each of its virtual ranks' shards (ShardSampler), back to back, as (epoch, index) keys (each image's
+    augmentation draws from both). Step s covers positions [start + s x batch, start + (s + 1) x batch) of the epoch's
+    order whatever the world size, so a resume, even on another number of ranks or batch size, trains exactly the
+    samples the epoch has not seen. The short last step is dealt the same way (some micro-batches a sample smaller,
+    or empty), so every rank takes the same number of steps; `step_split` says where the micro-batches part."""
+
+    def __init__(self, shards: list, *, batch_size: int):
+        self.shards, self.batch_size, self.num_samples = shards, batch_size, len(shards[0].dataset)
+        self.rank, self.accum_steps = shards[0].virtual_rank, len(shards)  # shard k: virtual rank rank + k x W
+        self.world_size = shards[0].num_replicas // self.accum_steps
+        assert batch_size % shards[0].num_replicas == 0, "the global batch splits into equal micro-batches"
         self.epoch, self.start, self.skipped = 0, 0, []
 
     def set_epoch(self, epoch: int, start: int = 0, skipped: list | None = None) -> None:
         """Sample `epoch`'s order from position `start`. `skipped`: the epoch's unreadable samples skipped so
         far (Progress.skipped), a list AgreedLoader adds to."""
+        for shard in self.shards:
+            shard.set_epoch(epoch, start)
         self.epoch, self.start, self.skipped = epoch, start, skipped if skipped is not None else []
 
     def step_split(self, position: int, skipped=()) -> tuple:
@@ -309,13 +337,9 @@ class EpochSampler:
         return step_samples, sizes
 
     def __iter__(self):
-        order = torch.randperm(self.num_samples,
-                               generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        for first in range(self.start, self.num_samples, self.batch_size):
-            step = order[first:first + self.batch_size]
-            yield [(self.epoch, step[i])
-                   for micro in deal_step(len(step), self.rank, self.world_size, self.accum_steps)
-                   for i in micro]
+        shares, micro_batch = [iter(shard) for shard in self.shards], self.batch_size // self.shards[0].num_replicas
+        for _ in range(len(self)):
+            yield [(self.epoch, i) for share in shares for i in itertools.islice(share, micro_batch)]
 
     def __len__(self) -> int:
         return -(-max(self.num_samples - self.start, 0) // self.batch_size)
@@ -323,8 +347,8 @@ class EpochSampler:
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
     """The positions in a step of `step_samples` that `rank`'s micro-steps take, one range each: micro-step k is
-    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps).
-    The one place the split is made: the sampler deals by it, and step_split splits the training batch by it."""
+    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps), as
+    its ShardSampler deals them; step_split splits the training batch by it."""
     v = world_size * accum_steps
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
 
@@ -333,7 +357,8 @@ class ImageDataset(Dataset):
     """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
     read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
     transforms.image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
-    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad too."""
+    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad
+    too."""
 
     def __init__(self, data, transform=None, seed: int = 0, split: str = "training", shape=None):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
@@ -341,9 +366,9 @@ class ImageDataset(Dataset):
         first, any_size = tuple(data.images.shape[1:]) if self.in_memory else None, False
         if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
             from machinery.bad_samples import first_readable
-            from machinery.transform_checks import is_crop_flip  # the default crop: for images of the data's size
             first = tuple(first_readable(data, split)[0][0].shape)
-            any_size = transform is not None and not is_crop_flip(transform, first)  # photos through your transform
+            # photos through your transform; the default crop is for images of the data's size
+            any_size = transform is not None and not (isinstance(transform, CropFlip) and transform.size == first[1:])
         self.image_shape = tuple(shape or first) if transform is not None else first
         self.read_shape = (first[0], None, None) if any_size else first
 
@@ -395,11 +420,13 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     batch_sampler.set_epoch each epoch, step_split per batch); test and val (None without --val-size) score each
     image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
     cfg.skip_bad_samples unreadable samples per epoch."""
-    from machinery.transform_checks import check_transforms, is_crop_flip, where_transform_runs, workers_take
+    from machinery.transform_checks import check_transforms, where_transform_runs, workers_take
     train_tf, test_tf, batch_tf = transforms
     shape = call_and_agree(check_transforms, data, train_tf, test_tf)  # what they return, before the first step
     device, in_memory_train = data.device, data.device is not None and data.train is not None
-    batched = in_memory_train and is_crop_flip(train_tf, tuple(data.train.images.shape[1:]))
+    # build_transforms' default (CropFlip): batched on the device, for images of the size it was made for
+    batched = (in_memory_train and isinstance(train_tf, CropFlip)
+               and train_tf.size == tuple(data.train.images.shape[2:]))
     if in_memory_train and train_tf is not None and not batched:
         device = where_transform_runs(train_tf, data.train.images[0], device=device, loader=cfg.loader,
                                       workers=cfg.num_workers)
@@ -410,8 +437,13 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     if data.train is None:
         return None, test, val
     seed = cfg.seed
-    sampler = EpochSampler(len(data.train), batch_size=cfg.batch_size, rank=env.rank,
-                           world_size=env.world_size, accum_steps=cfg.accumulation_steps, seed=seed)
+    # torch's DistributedSampler deals each epoch's order, randperm(seed + epoch), to world_size x accumulation_steps
+    # virtual ranks: micro-step k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train on
+    # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (the sampler's) each epoch.
+    virtual_ranks = env.world_size * cfg.accumulation_steps
+    shards = [ShardSampler(len(data.train), num_replicas=virtual_ranks, rank=env.rank + k * env.world_size,
+                           shuffle=True, seed=seed) for k in range(cfg.accumulation_steps)]
+    sampler = StepSampler(shards, batch_size=cfg.batch_size)
     data.draws = ("the device loader's crop and flip, from a hash" if batched else
                   "torchvision's ops, seeded per image and micro-batch")
     mix = None if batch_tf is None else Mix(batch_tf, num_classes=data.spec.num_classes, seed=seed,
@@ -426,8 +458,9 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
 
 
 def build_test_loader(split, cfg, env, device=None, split_name: str = "test", transform=None, shape=None):
-    """Rank r scores images r, r + world_size, ...: no padding, no dropping, maybe none at all."""
-    shard = range(env.rank, len(split), env.world_size)
+    """Rank r scores images r, r + world_size, ... (DistributedSampler's shard, unshuffled): no padding, no dropping,
+    maybe none at all."""
+    shard = ShardSampler(len(split), num_replicas=env.world_size, rank=env.rank, shuffle=False)
     if device is not None:
         return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform,
                             split=split_name, shape=shape)
@@ -455,7 +488,7 @@ class AgreedLoader:
 
     def __init__(self, loader: DataLoader, limit: int = 0, mix=None):
         self.loader, self.limit, self.mix = loader, limit, mix
-        self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, EpochSampler) else None
+        self.batch_sampler = loader.batch_sampler if isinstance(loader.batch_sampler, StepSampler) else None
         self.found, self.gaps = [], []  # unreadable since the last check; the last batch's
 
     def __len__(self):
@@ -487,7 +520,7 @@ class AgreedLoader:
 
 class DeviceLoader:
     """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
-    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same EpochSampler); the
+    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same StepSampler); the
     default crop and flip batched (transforms.crop_flip_batch, drawn from the hash: its own draws, as exact), another
     `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
 
@@ -500,7 +533,7 @@ class DeviceLoader:
         self.shape = tuple(shape or data.images.shape[1:])  # what `transform` must return (check_transforms')
         self.pad = None
         images = data.images
-        if batched_crop_flip:  # the default training transform (transform_checks.is_crop_flip), batched
+        if batched_crop_flip:  # the default training transform (transforms.CropFlip), batched
             self.pad = crop_padding(*images.shape[-2:])  # padded once, up front
             images = torch.nn.functional.pad(images, (self.pad[1], self.pad[1], self.pad[0], self.pad[0]))
         self.images, self.labels = images.to(device), data.labels.to(device)

@@ -3,10 +3,9 @@
 WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with 16k, 32k and 64k channels: the CIFAR
 variant of the paper's reference code (BN-ReLU before each 3x3 conv, optional dropout between the two convs, a 1x1
 projection shortcut wherever the block changes the shape). ADAPT: for your own network, replace `build_model` and
-`model_config` in train_ddp.py; nothing else in the training script depends on this file but its flags' checks.
+`model_config` in train_ddp.py; nothing else in the training script depends on this file (config.py's --depth and
+--widen-factor checks are WRN's, and yours to drop).
 """
-import argparse
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,22 +18,6 @@ def check_depth(depth: int) -> int:
             f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}"
         )
     return (depth - 4) // 6
-
-
-def depth_arg(text: str) -> int:
-    """--depth as argparse reads it: refused on the command line, in one line, unless it is 6n+4."""
-    try:
-        check_depth(int(text) if text.lstrip("-").isdigit() else -1)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).rsplit(", got", 1)[0] + f", got {text}") from None
-    return int(text)
-
-
-def width_arg(text: str) -> int:
-    """--widen-factor as argparse reads it: an integer of at least 1."""
-    if not text.lstrip("-").isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"WideResNet widen_factor must be an integer >= 1, got {text}")
-    return int(text)
 
 
 class BasicBlock(nn.Module):

@@ -6,16 +6,18 @@
 
 One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
 process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU with gloo. Flags and presets
-(--recipe): config.py. Read top to bottom: the places marked ADAPT, where your model and data go (the data describe
-themselves; the model, normalisation and augmentation follow; a task other than classification also changes loss_fn
-and evaluate's metrics); then the DDP story: train_step, train_one_epoch, evaluate, and train(), which sets the run
-up, wraps the model in DDP and loops over the epochs.
+(--recipe): config.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
+the first three, its model, data and augmentation (the data describe themselves; the model, normalisation and
+augmentation follow; a task other than classification also changes loss_fn and evaluate's metrics). Then the DDP
+story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP and loops
+over the epochs.
 """
 import datetime
 import functools
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +30,11 @@ import dataset_utils
 import train_utils as utils
 from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config  # the flags, the run's config
 from model import WideResNet
+from transforms import CropFlip  # the default augmentation, which the device loader batches
 
 
 def build_model(cfg, data) -> nn.Module:
-    # ADAPT (1/3): your model here, taking its input channels and classes from `data` (a DataSpec); in
+    # ADAPT (1/6): your model here, taking its input channels and classes from `data` (a DataSpec); in
     # model_config what fixes its shapes (a checkpoint must match them; "name" is what messages call it).
     return WideResNet(cfg.depth, cfg.widen_factor, num_classes=data.num_classes, dropout=cfg.dropout,
                       in_channels=data.channels)
@@ -46,7 +49,9 @@ def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
     not asked for. The rest follows from what this returns: see train_utils.measure_data."""
-    # ADAPT (2/3): your data here.
+    # ADAPT (2/6): your data here: ImageData (uint8 N x C x H x W images, int64 labels) when they fit in memory,
+    # else a Dataset of (uint8 C x H x W, label). Image files as root/<class>/<image>: dataset_utils.image_folder,
+    # with folder_classes and mean_std (the README's worked examples; docs/adapt.md).
     if cfg.dataset == "cifar100":
         dataset_utils.prepare_cifar100(cfg.data_dir, env)  # one process per node downloads and checks it
     return (dataset_utils.load_split(cfg.dataset, cfg.data_dir, True, cfg.train_size) if train else None,
@@ -54,13 +59,15 @@ def load_data(cfg, env, train: bool = True):
 
 
 def build_transforms(cfg, data) -> tuple:
-    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is; a uint8
-    C x H x W tensor in, one of the model's input size out) and each training micro-batch's (float images and
-    classes in, soft targets out). The loaders seed torch's generator per image and per micro-batch (docs/adapt.md)."""
+    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is) and each
+    training micro-batch's (float images and classes in, soft targets out). The loaders seed torch's generator per
+    image and per micro-batch (docs/adapt.md)."""
     from torchvision.transforms import v2  # here: torchvision's import costs every process a second
-    # ADAPT (3/3): your augmentation; photos, say: train [v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()], test
-    # [v2.Resize(256), v2.CenterCrop(224)]. The default, the WRN paper's: zero-pad an eighth of each side (4 for 32),
-    # crop back, mirror; the device loader batches these two on the GPU.
+    # ADAPT (3/6): your augmentation. Each image's transform takes a uint8 C x H x W tensor and returns one, of the
+    # model's input size (a PIL image: end with v2.PILToTensor()). Photos, say: train [v2.RandomResizedCrop(224),
+    # v2.RandomHorizontalFlip()], test [v2.Resize(256), v2.CenterCrop(224)]. A pipeline other than the default runs
+    # per image (in DataLoader workers, or on the GPU with --loader gpu); the default is batched on the GPU.
+    # The default, the WRN paper's: zero-pad an eighth of each side (4 for 32), crop back, mirror.
     pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
     train = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
     if cfg.auto_augment == "ta_wide":
@@ -70,6 +77,8 @@ def build_transforms(cfg, data) -> tuple:
     mix = [v2.MixUp(alpha=cfg.mixup_alpha, num_classes=data.num_classes)] if cfg.mixup_alpha else []
     mix += [v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=data.num_classes)] if cfg.cutmix_alpha else []
     batch = v2.RandomChoice(mix) if len(mix) == 2 else (mix[0] if mix else None)  # both: one of them, 50/50
+    if len(train) == 2:  # the default alone: the device loader crops and flips whole batches on the GPU
+        return CropFlip(v2.Compose(train), pad=(pad_y, pad_x), size=(data.height, data.width)), None, batch
     return v2.Compose(train), None, batch
 
 
@@ -109,8 +118,9 @@ def build_training(cfg, env, data) -> Training:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp_dtype == torch.float16)  # bf16 needs none
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
-    # The training loader's sampler, dataset_utils.EpochSampler, plays DistributedSampler's part (set_epoch): each rank
-    # its share of every global batch, a new order per epoch, nothing padded. Test: rank r scores r, r + W, ...
+    # The loaders' shards are torch's DistributedSampler's (dataset_utils.ShardSampler: padding left off, a resumed
+    # epoch's start): training, one per virtual rank (a micro-step of this rank), a new order each epoch (set_epoch);
+    # test, unshuffled: rank r scores r, r + W, ..., each image once.
     train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env,
                                                                         transforms=build_transforms(cfg, data.spec))
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
@@ -122,10 +132,10 @@ def build_training(cfg, env, data) -> Training:
 
 
 def train_step(model, images, labels, *, split, training: Training, cfg, step_log) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch: `split` (EpochSampler.step_split) is the
+    """One optimizer step on this rank's share of a global batch: `split` (StepSampler.step_split) is the
     step's samples over all ranks and this rank's micro-batch sizes; `labels`: classes, or soft targets
     (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and with
-    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. step_log times its
+    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. step_log.mark times its
     phases."""
     normalize, optimizer, scaler, loss_fn = (training.normalize, training.optimizer, training.scaler,
                                              training.loss_fn)
@@ -138,21 +148,23 @@ def train_step(model, images, labels, *, split, training: Training, cfg, step_lo
     # the update is then the mean over the whole global batch, even when the last step is uneven.
     per_rank = step_samples / (dist.get_world_size() if dist.is_initialized() else 1)
     stats, kept_buffers = 0, None
+    ddp = getattr(model, "_orig_mod", model)  # the DDP model, under torch.compile's wrapper if compiled
     for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-        # DDP all-reduces the gradients in the last micro-step's backward, overlapped; the others accumulate.
-        with utils.sync_gradients(model, enabled=k == len(micro_sizes) - 1):
+        # DDP all-reduces the gradients in the last micro-step's backward, overlapped with it; in the others,
+        # no_sync() only accumulates them (an all-reduce per micro-step would cost A times the communication).
+        with ddp.no_sync() if k < len(micro_sizes) - 1 and isinstance(ddp, DDP) else nullcontext():
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(x)
                 loss = loss_fn(logits, y)  # an empty micro-batch gives 0 and leaves BN's statistics alone
             scaler.scale(loss / per_rank).backward()
         hits = (logits.detach().argmax(1) == (y if y.dim() == 1 else y.argmax(1))).sum()  # soft: larger share
         stats = stats + utils.step_stats(loss.detach(), len(y), correct=hits)
-        # Micro-step k plays virtual rank r + k x world_size (EpochSampler). In a run of that many ranks, rank
+        # Micro-step k plays virtual rank r + k x world_size (StepSampler). In a run of that many ranks, rank
         # 0's BatchNorm running statistics are the ones kept (by evaluate() and checkpoints), and they saw
         # only virtual rank 0's batch: so each rank keeps its micro-step 0's and undoes the others'.
         if len(micro_sizes) > 1 and k == 0:
             kept_buffers = [b.detach().clone() for b in model.buffers()]
-    step_log.mark_backward()  # forward and backward, then the all-reduce's tail that backward did not hide
+    step_log.mark("compute")  # forward and backward, then the all-reduce's tail that backward did not hide
     for buffer, kept in zip(model.buffers(), kept_buffers or []):
         buffer.copy_(kept)
     if cfg.clip_grad_norm:  # the all-reduced gradients' norm, the same on every rank; fp16: unscaled first
@@ -166,11 +178,10 @@ def train_step(model, images, labels, *, split, training: Training, cfg, step_lo
     return stats
 
 
-def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, step_log, stop, loss_check,
-                    checkpoint) -> bool:
+def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, step_log, checks, checkpoint) -> bool:
     """Train the rest of `epoch` from progress.position (utils.Progress: where training stands). Every
-    STOP_CHECK_EVERY steps the ranks agree on what would end the run: unreadable samples, a non-finite loss,
-    a stop request (stop: utils.StopRequest), which saves a checkpoint and returns True."""
+    STOP_CHECK_EVERY steps the ranks agree on what would end the run (checks: utils.RunChecks): unreadable
+    samples, a non-finite loss, a stop request, which saves a checkpoint and returns True."""
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
@@ -181,7 +192,7 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
                         device=device)
     steps_per_epoch = progress.step + len(loader.batch_sampler)  # steps done + steps left from the start
     epoch_start = time.perf_counter() - progress.elapsed_s
-    step_log.start()
+    step_log.mark("start")
     for i, (images, labels) in enumerate(loader):
         split = loader.step_split(progress.position)  # the last step may be short; unread samples: gaps
         done = progress.position + split[0]
@@ -196,12 +207,11 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
         if i == 0:  # DDP needs every parameter in every step's loss: a gap is named now, not a hang later
             utils.check_parameters_used(model)
         progress.position, progress.step = done, progress.step + 1
-        step_log.update(epoch, progress.step, steps_per_epoch, done, lambda: utils.mean_loss(sums), epoch_start)
+        # The progress line, when due, reads the mean loss: sums[:2], the loss over finite samples and their count.
+        step_log.update(epoch, progress.step, steps_per_epoch, done, sums[:2], epoch_start)
         checkpoint_due = cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0
         if progress.step % utils.STOP_CHECK_EVERY == 0 or checkpoint_due:  # collectives: every rank comes
-            loader.check()  # unreadable samples: named and skipped, or the run ends; before any checkpoint
-            loss_check.check(sums)  # a NaN on any rank ends every rank, before it reaches a checkpoint
-            stopping = stop.check(device)  # a signal or the stop file on any rank stops them all here
+            stopping = checks.check(sums)  # unreadable samples, a NaN loss, a stop request: on any rank
             if stopping or checkpoint_due:
                 progress.elapsed_s = time.perf_counter() - epoch_start
                 total = sums.clone()
@@ -210,15 +220,15 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
                 progress.sums = total.tolist()
                 checkpoint.save(progress)
             if stopping:
-                stop.say_stopped(f"Stop requested ({stop.reason}) in epoch {epoch} after step {progress.step}: "
-                                 f"checkpoint saved in {cfg.out_dir}; exiting with status {stop.exit_status} "
-                                 f"to be resumed.")
+                checks.say_stopped(f"Stop requested ({checks.reason}) in epoch {epoch} after step {progress.step}: "
+                                   f"checkpoint saved in {cfg.out_dir}; exiting with status {checks.exit_status} "
+                                   f"to be resumed.")
                 return True
-        step_log.end_step()
+        step_log.mark("step")
     # The epoch's sums over all ranks: this waits for the slowest rank (the original's barrier): honest time.
     if dist.is_initialized():
         dist.all_reduce(sums)
-    step_log.end_epoch()
+    step_log.mark("end")
     progress.sums, progress.elapsed_s = sums.tolist(), time.perf_counter() - epoch_start
     return False
 
@@ -262,45 +272,44 @@ def train(cfg, env, found, lock) -> int:
     """The recipe. Every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint
     this run continues (utils.find_checkpoint), `lock`: this run's hold on the out-dir."""
     # ------------------------------------------------------------------ data, then the model and its training
-    if found.finished:  # a finished run rerun with the same command (a requeue, say): nothing to train
-        utils.log(found.finished)
+    if found.finished:  # a finished run rerun with the same command (a requeue, say): said, nothing to train
         return 0
     data = utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
-    utils.log_start(cfg, env, data, found, parser=get_args_parser())  # the original's first lines, LR, data
+    utils.log_start(cfg, env, data, found)  # the original's first lines, the LR, the data
     training = build_training(cfg, env, data)
     model = training.model  # the bare model: checkpoints hold it; evaluate() scores it, or its weight EMA
     eval_model = training.ema.module if training.ema is not None else model
 
     # ------------------------------------------------------------------ resume, then DDP
-    # What a checkpoint holds. ADAPT: register other state a resume needs (checkpoint.add).
+    # What a checkpoint holds. ADAPT (4/6): other state a resume needs goes in `optional`, with what stands in for it
+    # in a checkpoint written before it (the weight EMA's, if on).
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), lock=lock,
-                                  model=model, optimizer=training.optimizer, scaler=training.scaler)
-    checkpoint.add("model_ema", training.ema, when_absent="the average starts from the weights")  # if on
+                                  model=model, optimizer=training.optimizer, scaler=training.scaler,
+                                  optional={"model_ema": (training.ema, "the average starts from the weights")})
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
-    # Progress lines with the run's ETA, and where each rank's step time goes (--profile: traces).
-    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
-                             epochs=cfg.epochs)
     if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
         # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
-        # statistics; evaluate() and checkpoints take rank 0's. ADAPT: a model whose forward reads them needs it.
+        # statistics; evaluate() and checkpoints take rank 0's. ADAPT (5/6): a model whose forward in training reads
+        # its buffers needs them in sync: drop NO_FORWARD_BUFFER_SYNC (DDP then broadcasts rank 0's each forward).
         model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
                     gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
                     **utils.NO_FORWARD_BUFFER_SYNC)
-        step_log.watch_ddp(model)  # DDP's all-reduce, timed: computing and waiting apart in the step's time split
+    # Progress lines with the run's ETA, and where each rank's step time goes, DDP's all-reduce timed by a comm
+    # hook (--profile: traces).
+    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
+                             epochs=cfg.epochs, ddp=model if env.distributed else None)
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = (torch.compile(m, dynamic=False, mode=cfg.compile_mode) for m in (model, eval_model))
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
-    checkpoint.check_room()  # a full disk is refused now, not after an epoch's work
     run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
-    loss_check = utils.LossCheck(env.device, allow_nonfinite=training.scaler.is_enabled())  # fp16 skips steps
-    with utils.StopRequest() as stop:  # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs
-        for epoch in progress.epochs_left(cfg.epochs):
+    # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs; a NaN loss; unreadable samples
+    with utils.RunChecks(training.train_loader, env.device, allow_nonfinite=training.scaler.is_enabled()) as checks:
+        for epoch in range(progress.epoch + 1, cfg.epochs + 1):  # the first maybe begun
             if train_one_epoch(model, training, epoch=epoch, cfg=cfg, progress=progress, step_log=step_log,
-                               stop=stop, loss_check=loss_check, checkpoint=checkpoint):
-                return stop.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
-            loss_check.check(progress.sums)  # the epoch's last steps: a NaN on any rank ends every rank
-            stopping = stop.check(env.device)  # a stop request at the epoch's end, agreed by all ranks
+                               checks=checks, checkpoint=checkpoint):
+                return checks.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
+            stopping = checks.check(progress.sums)  # the epoch's last steps, agreed by all ranks
             score = functools.partial(evaluate, eval_model, normalize=training.normalize,
                                       amp_dtype=cfg.amp_dtype, tta=cfg.tta)
             eval_start = time.perf_counter()
@@ -311,25 +320,24 @@ def train(cfg, env, found, lock) -> int:
             metrics = progress.finish_epoch(epoch, val, lr=training.optimizer.param_groups[0]["lr"], cfg=cfg,
                                             timing=step_log.finish_epoch(env.rank),  # every rank's time split
                                             eval_s=time.perf_counter() - eval_start)
-            utils.log_epoch(metrics, cfg.epochs, top5=data.spec.num_classes > 5)  # the original's four lines
-            progress.stopped_early = progress.reached_target(cfg.target_accuracy, cfg.patience)
+            # Early stopping: the last --patience epochs all reached --target-accuracy (all-reduced: every rank
+            # decides alike); never with --patience 0.
+            recent = [m["val_acc"] for m in progress.history[-cfg.patience:]] if cfg.patience > 0 else []
+            progress.stopped_early = len(recent) == cfg.patience > 0 and min(recent) >= cfg.target_accuracy
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
-            # ADAPT: an option that finalises its state at the end of training does it here, `if finished:`, before
-            # the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
+            # ADAPT (6/6): an option that finalises its state at the end of training does it here, `if finished:`,
+            # before the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
             checkpoint.save(progress)
-            run_files.add_epoch(metrics)
-            if finished:
-                if progress.stopped_early:
-                    utils.log(f"Target accuracy reached. Early stopping after epoch {epoch}.")
+            run_files.add_epoch(metrics)  # the original's four lines, metrics.jsonl
+            if finished:  # run_files.finish says so if early
                 break
-            if stopping and epoch < cfg.epochs:  # a stop request at the epoch's end
-                stop.say_stopped(f"Stop requested ({stop.reason}) after epoch {epoch}: checkpoint saved; "
-                                 f"exiting with status {stop.exit_status} to be resumed.")
-                return stop.exit_status
-            if epoch == cfg.stop_after_epoch and epoch < cfg.epochs:
-                utils.log(f"Stopping after epoch {epoch} as asked (--stop-after-epoch); run again to resume.")
+            if stopping:  # a stop request at the epoch's end
+                checks.say_stopped(f"Stop requested ({checks.reason}) after epoch {epoch}: checkpoint saved; "
+                                   f"exiting with status {checks.exit_status} to be resumed.")
+                return checks.exit_status
+            if epoch == cfg.stop_after_epoch:  # --stop-after-epoch: run_files.finish says so
                 break
-    run_files.finish(progress)  # summary.json and the original script's summary lines
+    run_files.finish(progress)  # why it ends here, summary.json and the original script's summary lines
     return 0
 
 
@@ -337,9 +345,8 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
     data = utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
     training = build_training(cfg, env, data)
-    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec),
-                                  model=training.model)
-    checkpoint.add("model_ema", training.ema, when_absent="the model's weights are scored")  # what it scores, if any
+    checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model,
+                                  optional={"model_ema": (training.ema, "the model's weights are scored")})  # if any
     progress = checkpoint.restore(found)  # the weights (and the model it must be) only: nothing else registered
     scores_ema = training.ema is not None and bool(training.ema.n_averaged)
     model = training.ema.module if scores_ema else training.model

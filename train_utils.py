@@ -1,6 +1,7 @@
-"""What train_ddp.py uses, in the order it uses it: the LR schedule, gradient sync, the loss sums and their
-check, the unused-parameter check, where training stands (Progress), the checkpoint a run continues
-(find_checkpoint) and what a checkpoint holds (Checkpoint), and the original script's log lines. Below it,
+"""What train_ddp.py uses, in the order it uses it: the LR schedule, the loss sums, the unused-parameter check, the
+checks the ranks agree on (RunChecks: a stop request, a non-finite loss, unreadable samples), where training stands
+(Progress), the checkpoint a run continues (find_checkpoint: every rank's torch.load) and what a checkpoint holds
+(Checkpoint: rank 0's torch.save), and the original script's first lines. Below it,
 machinery/ (machinery/README.md). One error protocol throughout: a problem the user can fix is a UserError
 (exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0."""
 from __future__ import annotations
@@ -8,14 +9,13 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import RunConfig
+from config import RunConfig, get_args_parser
 from dataset_utils import CheckedData, load_checked_data, measure_data
 from machinery.checkpoints import check_room, is_best_epoch, load_latest_checkpoint, save_checkpoint
 from machinery.cli import run_cli
@@ -32,8 +32,8 @@ from machinery.timing import StepLog
 __all__ = [  # what the recipe calls, from here or from the machinery
     "run_cli", "read_launcher", "rendezvous", "all_gather", "host_name", "lock_out_dir", "find_checkpoint",
     "load_checked_data", "measure_data", "CheckedData",
-    "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start", "log_epoch",
-    "lr_factor", "sync_gradients", "step_stats", "mean_loss", "LossCheck", "check_parameters_used",
+    "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start",
+    "lr_factor", "step_stats", "LossCheck", "RunChecks", "check_parameters_used",
     "NO_FORWARD_BUFFER_SYNC", "STOP_CHECK_EVERY",
     "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
@@ -54,7 +54,7 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# ------------------------------------------------------------- the gradient all-reduce, and the loss sums
+# ------------------------------------------------------------- DDP's option, the loss sums
 
 # DDP's option that turns off its broadcast of the buffers before every forward: forward_sync_buffers since
 # torch 2.14 (broadcast_buffers, which older versions have, is deprecated there).
@@ -63,24 +63,11 @@ NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           else {"broadcast_buffers": False})
 
 
-def sync_gradients(model, enabled: bool):
-    """A context for one backward: DDP all-reduces the gradients in it if `enabled`, and else only
-    accumulates them locally (DDP's no_sync), through torch.compile's wrapper; a no-op without DDP."""
-    ddp = getattr(model, "_orig_mod", model)
-    return ddp.no_sync() if not enabled and isinstance(ddp, DDP) else nullcontext()
-
-
 # The epoch's sums, one float64 tensor on the device (one all-reduce sums them all), slot by slot: the loss
 # times the samples over finite losses, those samples, all samples; with --clip-grad-norm, the gradient norm
 # over finite norms, those steps, all steps. Progress.sums holds them as a list, in checkpoints too.
 EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_norm_steps", "norm_steps",
               "correct")  # and the samples whose top prediction is their label (with mixup: its larger share)
-
-
-def mean_loss(sums) -> float:
-    """The epoch's mean training loss so far, from its sums (EPOCH_SUMS, by name): a read that waits for the
-    GPU, so only for a progress line."""
-    return float(sums[EPOCH_SUMS.index("loss_sum")]) / max(float(sums[EPOCH_SUMS.index("finite_samples")]), 1)
 
 
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
@@ -152,6 +139,24 @@ def check_parameters_used(model) -> None:
                         f"every step)")
 
 
+class RunChecks(StopRequest):
+    """What ends a run, agreed by every rank at once: a stop request (StopRequest's: a signal or the stop file,
+    caught while `with` holds), a non-finite loss (LossCheck), samples that do not read (the loader's check)."""
+
+    def __init__(self, loader, device, *, allow_nonfinite: bool):
+        super().__init__()
+        self.loader, self.device = loader, device
+        self.loss = LossCheck(device, allow_nonfinite=allow_nonfinite)  # fp16's scaler skips the odd bad step
+
+    def check(self, sums) -> bool:
+        """Collectives: every rank calls it at the same steps. Unreadable samples named and skipped, or every rank
+        raises (before any checkpoint holds them); a NaN loss on any rank ends every rank (before it reaches a
+        checkpoint); True on every rank if any was asked to stop. `sums`: the epoch's so far (EPOCH_SUMS)."""
+        self.loader.check()
+        self.loss.check(sums)
+        return super().check(self.device)
+
+
 # ------------------------------------------------------------------------- where training stands
 
 @dataclass
@@ -167,18 +172,6 @@ class Progress:
     total_images: int = 0
     stopped_early: bool = False
     skipped: list = field(default_factory=list)  # that epoch's unreadable samples skipped so far
-
-    def epochs_left(self, epochs: int) -> range:
-        """The epochs still to train, the first maybe begun: none once early stopping ended the run."""
-        return range(self.epoch + 1, epochs + 1) if not self.stopped_early else range(0)
-
-    def reached_target(self, target: float, patience: int) -> bool:
-        """Early stopping: the last `patience` epochs all scored `target` or more (from the all-reduced
-        accuracy, so every rank decides alike). Never with patience 0: early stopping off."""
-        if patience < 1:
-            return False
-        recent = [m["val_acc"] for m in self.history[-patience:]]
-        return len(recent) == patience and min(recent) >= target
 
     def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict, eval_s: float = 0.0) -> dict:
         """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training sums, the
@@ -236,7 +229,9 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
     flags to continue it with. Every rank raises the UserError that says why it cannot: an older format, a flag
     that `rules` (config.RESUME_RULES) refuses to change, another device type, a finished run asked to change.
     Its data and model are checked once built (load_checked_data, Checkpoint.restore)."""
-    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, env.device, args.keep_checkpoints)
+    def load(path):  # every rank reads it; weights_only: tensors and plain data, never pickled code
+        return torch.load(path, map_location=env.device, weights_only=True)
+    loaded = call_and_agree(load_latest_checkpoint, args.out_dir, load, args.keep_checkpoints)  # newest that loads
     ckpt, path = loaded or (None, None)
     if ckpt is None:
         if args.evaluate:
@@ -247,21 +242,27 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
     flags, notes = call_and_agree(resume.checkpoint_flags, args, explicit, ckpt, rules)
     call_and_agree(resume.check_same_device, ckpt, path, env.device, args.evaluate)
     finished = None if args.evaluate else call_and_agree(resume.check_finished, ckpt, path, flags, notes)
+    if finished:  # a finished run rerun with the same command (a requeue, say): said now, nothing to train
+        log(finished)
     kept = {"micro_batch"} if not args.evaluate and flags["micro_batch"] != args.micro_batch else set()
     return Found(ckpt, path, flags, notes, finished, kept)
 
 
 class Checkpoint:
     """What a checkpoint holds, registered once; saving, restoring and sizing go over it. `state` (name=object
-    with state_dict() and load_state_dict()) is required. State an option adds later goes in with add(), which
-    says what stands in for it in an older checkpoint: old checkpoints still resume, nothing guessed silently.
+    with state_dict() and load_state_dict()) is required. State an option adds later goes in `optional` (name:
+    (object, what stands in for it in an older checkpoint); or add()): old checkpoints still resume, nothing
+    guessed silently.
     Besides the state: where training stands (Progress), the config, the model's config, the data's
     fingerprints, and every rank's RNG states (machinery/checkpoints.py: REQUIRED_KEYS)."""
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, **state):
+    def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, optional=None,
+                 **state):
         self.cfg, self.env, self.data, self.model_config, self.lock = cfg, env, data, model_config, lock
         self.required = state     # name -> object
         self.optional = {}        # name -> (object, what stands in when absent, a function that sets it)
+        for name, (obj, when_absent) in (optional or {}).items():  # name -> (object or None, when_absent)
+            self.add(name, obj, when_absent=when_absent)
 
     def add(self, name: str, obj, *, when_absent: str, start_absent=lambda: None) -> None:
         """Register optional state: saved and restored like the rest; a checkpoint without it resumes, with
@@ -276,7 +277,11 @@ class Checkpoint:
     def restore(self, found: Found) -> Progress:
         """Load the checkpoint's state into the registered objects; say what changed. Returns where
         training stands: the checkpoint's Progress, or a new one (epoch 0) for a new run, which starts
-        from --init-from's weights if given (the model's only: the rest starts afresh)."""
+        from --init-from's weights if given (the model's only: the rest starts afresh). A run that trains then
+        checks the out-dir's room for its next checkpoint (check_room): a full disk is refused now, not after
+        an epoch's work."""
+        if not self.cfg.evaluate:
+            self.check_room()
         if found.ckpt is None:
             if self.cfg.init_from and not self.cfg.evaluate:
                 from machinery.init_weights import load_initial_weights
@@ -331,17 +336,20 @@ class Checkpoint:
         # --val-size: an epoch's end with the best validation accuracy so far is also best.pt
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
         error = None
-        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them, whole then renamed
-            error = try_write(lambda: save_checkpoint(out_dir, state, self.cfg.keep_checkpoints, best=best),
+        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them
+            def write(f):  # into a temporary file, renamed over checkpoint.pt once whole (older ones shifted down)
+                torch.save(state, f)
+            error = try_write(lambda: save_checkpoint(out_dir, write, self.cfg.keep_checkpoints, best=best),
                               what=what, out_dir=out_dir, lock=self.lock)
         agree_on_error(error)  # every rank learns whether it worked: if not, all leave together, in one line
 
 
 # ------------------------------------------------------------------------- the original script's lines
 
-def log_start(cfg: RunConfig, env: DistEnv, data, found: Found, *, parser) -> None:
-    """The original script's first two lines, then the flags that differ from their defaults in `parser`,
+def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
+    """The original script's first two lines, then the flags that differ from their defaults (config.py's),
     the batch split and the LR, the data, and notes on what a resumed run changes."""
+    parser = get_args_parser()
     unit = "GPUs" if env.cuda else "CPU processes"
     log(f"Training started with {env.world_size} processes across {cfg.nodes} nodes.")
     log(f"Using {env.local_world_size} {unit} per node.")
@@ -411,39 +419,3 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
                      f"{cfg.warmup_epochs:g}): the LR peaks only at epoch "
                      f"{min(cfg.warmup_epochs, cfg.epochs):g}; for a short run, lower --warmup-epochs")
     return notes
-
-
-def log_epoch(metrics: dict, epochs: int, *, top5: bool = True) -> None:
-    """The original script's four lines per epoch (top-5 left out where `top5` is false: 5 classes or fewer,
-    where it is always 1); then, where they apply, the peak GPU memory, the rank that held the others back,
-    a loader that does not keep up, and fp16's skipped steps."""
-    log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
-    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
-    log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
-    log(f"Train Loss: {metrics['train_loss']:.4f}" +
-        (f", Validation Top-5 Accuracy: {metrics['val_top5']:.4f}" if top5 else ""))
-    if "test_acc" in metrics:  # --val-size: the lines above score the validation split, this one the test set
-        log(f"Test Loss: {metrics['test_loss']:.4f}, Test Accuracy: {metrics['test_acc']:.4f}" +
-            (f", Test Top-5 Accuracy: {metrics['test_top5']:.4f}" if top5 else ""))
-    if metrics.get("scored") == "model_ema":
-        log("(scores of the weight EMA, --model-ema)")
-    if "grad_norm" in metrics:
-        skipped = metrics["nonfinite_grad_steps"]
-        log(f"Gradient norm before clipping: {metrics['grad_norm']:.3f} (mean over the epoch's finite norms"
-            f"{f'; {skipped} steps had a non-finite norm (fp16: the scaler skipped them)' if skipped else ''}"
-            ")")
-    if "peak_memory_gib" in metrics:  # CUDA
-        ranks = metrics["rank_times"]
-        top = max(ranks, key=lambda r: r["peak_memory_gib"])
-        log(f"Peak GPU memory: {top['peak_memory_gib']:.2f} GiB (rank {top['rank']} on {top['host']}; "
-            f"the least {min(r['peak_memory_gib'] for r in ranks):.2f} GiB)")
-    if metrics.get("slow_rank"):
-        log(f"warning: one rank held the others back: {metrics['slow_rank']} (each rank's split: "
-            f"rank_times in metrics.jsonl)")
-    if metrics.get("input_bound"):
-        log(f"warning: the loader does not keep up: {metrics['input_bound']}: bench.py --loader-check with this "
-            f"run's flags measures it and names the fixes that fit (more --workers, the data on each node's local "
-            f"disk with STAGE_DATA, the other --loader)")
-    if metrics.get("nonfinite_samples"):
-        log(f"warning: {metrics['nonfinite_samples']} samples had a non-finite fp16 loss; the scaler skipped "
-            f"their steps")

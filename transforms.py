@@ -19,7 +19,7 @@ def image_seed(seed: int, epoch: int, idx: int) -> int:
 class Mix:
     """`batch_transform` (torchvision's MixUp, CutMix or a RandomChoice of them) on each micro-batch of a step, drawn
     from (seed, epoch, the step's first position in the epoch's order, the micro-batch's virtual rank r + k x W): the
-    micro-batches are those of W x A ranks (EpochSampler), so is their mixing. Images become float (0-255), labels
+    micro-batches are those of W x A ranks (StepSampler), so is their mixing. Images become float (0-255), labels
     soft targets (N, classes)."""
 
     def __init__(self, batch_transform, *, num_classes: int, seed: int, rank: int, world_size: int):
@@ -47,8 +47,20 @@ class Mix:
 
 
 # The device loader's crop and flip, for the default training transform (zero-pad an eighth of each side, crop back,
-# mirror on one bit; machinery/transform_checks.is_crop_flip tells it): the same views torchvision's RandomCrop and
+# mirror on one bit), which build_transforms returns as a CropFlip: the same views torchvision's RandomCrop and
 # RandomHorizontalFlip give, drawn from the hash.
+
+class CropFlip:
+    """The default training transform, chosen in train_ddp.build_transforms: the device loader runs it batched on the
+    GPU (crop_flip_batch, `pad` rows and columns each side, images of `size`); DataLoader workers run `per_image`
+    (torchvision's RandomCrop and RandomHorizontalFlip) on each image."""
+
+    def __init__(self, per_image, *, pad: tuple, size: tuple):
+        self.per_image, self.pad, self.size = per_image, tuple(pad), tuple(size)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self.per_image(image)
+
 
 def crop_padding(height: int, width: int) -> tuple:
     """The random crop's zero padding (rows, columns) on each side for an image of this size (4 for 32, as in the

@@ -18,26 +18,21 @@ DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
 ANY = object()  # as `before`: any value continues a checkpoint written before the flag
 
 
-def load_checkpoint(path: str, device: torch.device) -> dict:
-    try:
-        return torch.load(path, map_location=device, weights_only=True)  # data, never code: refuses pickled objects
-    except Exception as e:
-        raise UserError(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-
-
-def load_latest_checkpoint(out_dir: str, device: torch.device, keep: int):
-    """The newest checkpoint that loads, and its path; (None, None) if none. Unreadable ones (truncated, corrupt,
-    pickled code) are skipped with a warning; if none reads, UserError rather than overwrite them."""
+def load_latest_checkpoint(out_dir: str, load, keep: int):
+    """The newest checkpoint that load(path) reads (train_utils.find_checkpoint's torch.load), and its path; (None,
+    None) if none. Unreadable ones (truncated, corrupt, pickled code) are skipped with a warning; if none reads,
+    UserError rather than overwrite them."""
     problems = []
     for path in checkpoint_paths(out_dir, max(keep, 10)):
         if not os.path.exists(path):
             continue
         try:
-            ckpt = load_checkpoint(path, device)
-            if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
-                raise UserError(f"{path} is not a checkpoint of this script")
-        except UserError as e:
-            problems.append(str(e))
+            ckpt = load(path)
+        except Exception as e:
+            problems.append(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})")
+            continue
+        if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
+            problems.append(f"{path} is not a checkpoint of this script")
             continue
         for p in problems:
             log(f"warning: {p}; using the older {path}", file=sys.stderr)
@@ -105,21 +100,21 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
-def save_checkpoint(out_dir: str, state: dict, keep: int, best: bool = False) -> None:
-    """Write `state` to a temporary file, shift the older checkpoints down, rename it in; if `best`, also as best.pt.
-    A crash at any point leaves the previous checkpoints loadable."""
+def save_checkpoint(out_dir: str, write, keep: int, best: bool = False) -> None:
+    """write(f) (train_utils.Checkpoint.save's torch.save) into a temporary file, shift the older checkpoints down,
+    rename it in; if `best`, also as best.pt. A crash at any point leaves the previous checkpoints loadable."""
     paths = checkpoint_paths(out_dir, keep)
     for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
         if name.startswith((".checkpoint.", ".best.pt.")) and name.endswith(".tmp"):
             os.unlink(os.path.join(out_dir, name))
     if best:  # written first: a checkpoint.pt of this epoch never stands beside an older best.pt
-        atomic_write(os.path.join(out_dir, BEST), lambda f: torch.save(state, f))
+        atomic_write(os.path.join(out_dir, BEST), write)
 
     def shift_older():
         for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
             if os.path.exists(newer):
                 os.replace(newer, older)
-    atomic_write(paths[0], lambda f: torch.save(state, f), before_replace=shift_older)
+    atomic_write(paths[0], write, before_replace=shift_older)
 
 
 BEST = "best.pt"  # the checkpoint of the best validation accuracy so far (--val-size)

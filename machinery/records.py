@@ -37,6 +37,7 @@ class RunFiles:
         self.cfg, self.env, self.config, self.lock = cfg, env, config, lock
         self.ranks = gather_ranks(env)
         self.n_train, self.n_test = len(data.train), len(data.test)
+        self.top5 = data.spec.num_classes > 5  # top-5 is always 1 with 5 classes or fewer
         self.metrics_path = os.path.join(self.cfg.out_dir, "metrics.jsonl")
         self.rows = [json.dumps(m) + "\n" for m in history]
         self.record, self.tensorboard = provenance(config, self.ranks) if env.is_main else None, None
@@ -55,6 +56,9 @@ class RunFiles:
         write_on_main(self.env, write, what=what, out_dir=self.cfg.out_dir, lock=self.lock)
 
     def add_epoch(self, metrics: dict) -> None:
+        """An epoch's lines (the original script's four, and what applies: log_epoch), its row of metrics.jsonl
+        (and TensorBoard's), then the run's ETA."""
+        log_epoch(metrics, self.cfg.epochs, top5=self.top5)
         self.rows.append(json.dumps(metrics) + "\n")
 
         def write_epoch():
@@ -72,6 +76,11 @@ class RunFiles:
                                  (time.perf_counter() - self.started) / self.epochs_here))
 
     def finish(self, progress) -> None:
+        """The run's end: why it ends here if early, summary.json and run.json, the original script's summary."""
+        if progress.stopped_early:
+            log(f"Target accuracy reached. Early stopping after epoch {progress.epoch}.")
+        elif progress.epoch == self.cfg.stop_after_epoch and progress.epoch < self.cfg.epochs:
+            log(f"Stopping after epoch {progress.epoch} as asked (--stop-after-epoch); run again to resume.")
         env, history, total_s = self.env, progress.history, progress.total_time_s
         n_train, n_test = self.n_train, self.n_test
         summary = {
@@ -135,6 +144,42 @@ class RunFiles:
         record = {**metrics, "epoch": epoch, "world_size": env.world_size, "checkpoint": path}
         write_on_main(env, lambda: write_json(os.path.join(out_dir, "eval.json"), record), what="eval.json",
                       out_dir=out_dir, then="evaluate again")
+
+
+def log_epoch(metrics: dict, epochs: int, *, top5: bool = True) -> None:
+    """The original script's four lines per epoch (top-5 left out where `top5` is false: 5 classes or fewer,
+    where it is always 1); then, where they apply, the peak GPU memory, the rank that held the others back,
+    a loader that does not keep up, and fp16's skipped steps."""
+    log(f"Epoch {metrics['epoch']}/{epochs} completed in {metrics['epoch_time_s']:.3f} seconds")
+    log(f"Validation Loss: {metrics['val_loss']:.4f}, Validation Accuracy: {metrics['val_acc']:.4f}")
+    log(f"Epoch Throughput: {metrics['images_per_s']:.3f} images/second")
+    log(f"Train Loss: {metrics['train_loss']:.4f}" +
+        (f", Validation Top-5 Accuracy: {metrics['val_top5']:.4f}" if top5 else ""))
+    if "test_acc" in metrics:  # --val-size: the lines above score the validation split, this one the test set
+        log(f"Test Loss: {metrics['test_loss']:.4f}, Test Accuracy: {metrics['test_acc']:.4f}" +
+            (f", Test Top-5 Accuracy: {metrics['test_top5']:.4f}" if top5 else ""))
+    if metrics.get("scored") == "model_ema":
+        log("(scores of the weight EMA, --model-ema)")
+    if "grad_norm" in metrics:
+        skipped = metrics["nonfinite_grad_steps"]
+        log(f"Gradient norm before clipping: {metrics['grad_norm']:.3f} (mean over the epoch's finite norms"
+            f"{f'; {skipped} steps had a non-finite norm (fp16: the scaler skipped them)' if skipped else ''}"
+            ")")
+    if "peak_memory_gib" in metrics:  # CUDA
+        ranks = metrics["rank_times"]
+        top = max(ranks, key=lambda r: r["peak_memory_gib"])
+        log(f"Peak GPU memory: {top['peak_memory_gib']:.2f} GiB (rank {top['rank']} on {top['host']}; "
+            f"the least {min(r['peak_memory_gib'] for r in ranks):.2f} GiB)")
+    if metrics.get("slow_rank"):
+        log(f"warning: one rank held the others back: {metrics['slow_rank']} (each rank's split: "
+            f"rank_times in metrics.jsonl)")
+    if metrics.get("input_bound"):
+        log(f"warning: the loader does not keep up: {metrics['input_bound']}: bench.py --loader-check with this "
+            f"run's flags measures it and names the fixes that fit (more --workers, the data on each node's local "
+            f"disk with STAGE_DATA, the other --loader)")
+    if metrics.get("nonfinite_samples"):
+        log(f"warning: {metrics['nonfinite_samples']} samples had a non-finite fp16 loss; the scaler skipped "
+            f"their steps")
 
 
 def provenance(config: dict, ranks: list) -> dict:

@@ -36,12 +36,13 @@ class Clock:
 
 
 class StepLog:
-    """Rank 0's progress lines and this rank's split of its time into PHASES (mark(phase) ends that phase now),
+    """Rank 0's progress lines (update) and this rank's split of its time into PHASES (mark: what ends now),
     compared across ranks by finish_epoch. CUDA marks are read at the epoch's end (no sync per step), so the split
-    is GPU time: a GPU idle for want of data shows it as data. `profile_dir`: --profile's traces."""
+    is GPU time: a GPU idle for want of data shows it as data. `profile_dir`: --profile's traces; `ddp`: the DDP
+    model whose all-reduce it times (watch_ddp)."""
 
     def __init__(self, every: int, device: torch.device, *, timed: bool = True,
-                 profile_dir: str | None = None, epochs: int = 0):
+                 profile_dir: str | None = None, epochs: int = 0, ddp=None):
         self.progress = ProgressLines(every, epochs)
         self.device, self.timed, self.cuda = device, timed, device.type == "cuda"
         self.clock = Clock(device)
@@ -52,45 +53,43 @@ class StepLog:
         if profile_dir:
             from machinery.profiler import Profiler
             self.profiler = Profiler(profile_dir, self.cuda)
-
-    def start(self) -> None:
-        """The epoch's training starts (or resumes) now."""
-        self.progress.start()
-        self.marks, self.steps, self.last_bucket = [("start", self.now())] if self.timed else [], 0, None
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if ddp is not None:  # DDP's all-reduce, timed: computing and waiting apart in the step's time split
+            self.watch_ddp(ddp)
 
     def mark(self, phase: str) -> None:
-        if self.timed:
-            self.marks.append((phase, self.now()))
-
-    def mark_backward(self) -> None:
-        """After the backward that all-reduces: compute until its last bucket's launch, then sync."""
-        if self.timed and self.last_bucket is not None:
+        """The step log's one mark: what ends now. "start": nothing; the epoch's training starts (or resumes) here.
+        A step's phases (PHASES): "data"; "compute", forward and backward (with DDP, compute until its last
+        bucket's all-reduce is launched, then the all-reduce's tail as sync); "optimizer". "step": the step's
+        agreed checks (sync); the step is done. "end": the epoch's training, after its loss sums (sync)."""
+        if phase == "start":
+            self.progress.start()
+            self.marks, self.steps, self.last_bucket = [("start", self.now())] if self.timed else [], 0, None
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if phase == "compute" and self.timed and self.last_bucket is not None:
             self.marks.append(("compute", self.last_bucket))
-            self.marks.append(("sync", self.now()))
-        else:
-            self.mark("compute")
-        self.last_bucket = None
+            phase = "sync"
+        if self.timed:
+            self.marks.append(("sync" if phase in ("step", "end") else phase, self.now()))
+        if phase in ("compute", "sync"):
+            self.last_bucket = None
+        elif phase == "step":
+            self.steps += 1
+            if self.profiler:
+                self.profiler.after_step(self.steps)
+        elif phase == "end":
+            self.progress.clear()
+            if self.profiler:
+                self.profiler.finish()  # an epoch shorter than the window: what it recorded, not its evaluation
 
-    def update(self, epoch: int, step: int, steps: int, images: float, loss, t0: float) -> None:
-        """After a step: the progress line if one is due (`loss`: a function that reads the loss)."""
+    def update(self, epoch: int, step: int, steps: int, images: float, loss_sums, t0: float) -> None:
+        """After a step: the progress line if one is due. `loss_sums`: the epoch's loss summed over its finite
+        samples, and their count (device tensors: read only for a line)."""
+        def loss():
+            return float(loss_sums[0]) / max(float(loss_sums[1]), 1)
         self.progress.update(epoch, step, steps, images, loss, t0)
         self.mark("other")
-
-    def end_step(self) -> None:
-        """After the step's agreed checks (sync)."""
-        self.mark("sync")
-        self.steps += 1
-        if self.profiler:
-            self.profiler.after_step(self.steps)
-
-    def end_epoch(self) -> None:
-        """The epoch's training ends here (after its loss sums: sync); a profile still recording stops."""
-        self.mark("sync")
-        self.progress.clear()
-        if self.profiler:
-            self.profiler.finish()  # an epoch shorter than the window: what it recorded, not its evaluation
 
     def watch_ddp(self, ddp_model) -> None:
         """Wrap DDP's default all-reduce (allreduce_hook): the last bucket's hand-off ends backward's compute."""

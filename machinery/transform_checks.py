@@ -1,6 +1,6 @@
 """Checks of train_ddp.build_transforms' transforms before the first step (what they return, whether they draw from
-torch's generator, whether the training one is the default crop and flip that the device loader batches), and where
-another runs, with its rate.
+torch's generator), and where a training transform other than the default crop and flip (which the device loader
+batches) runs, with its rate.
 Loaded when the loaders are built (dataset_utils.build_loaders)."""
 import time
 
@@ -10,19 +10,6 @@ from machinery.bad_samples import describe_exception, describe_image, resize_fix
 from machinery.errors import UserError, call_and_agree
 from machinery.hashing import seeded
 from machinery.output import log
-
-
-def is_crop_flip(transform, image_shape: tuple) -> bool:
-    """Whether `transform` is the default's zero-padded RandomCrop to the image's size, then a horizontal flip."""
-    from torchvision.transforms import v2
-    ops = getattr(transform, "transforms", None)
-    if not (type(transform) is v2.Compose and len(ops) == 2 and type(ops[0]) is v2.RandomCrop
-            and type(ops[1]) is v2.RandomHorizontalFlip and ops[1].p == 0.5):
-        return False
-    pad_y, pad_x = max(1, image_shape[1] // 8), max(1, image_shape[2] // 8)  # transforms.crop_padding
-    crop = ops[0]
-    return (tuple(crop.size) == tuple(image_shape[1:]) and list(crop.padding) == [pad_x, pad_x, pad_y, pad_y]
-            and crop.fill == 0 and crop.padding_mode == "constant" and not crop.pad_if_needed)
 
 
 def first_image(split, name: str) -> torch.Tensor:

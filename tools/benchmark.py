@@ -59,12 +59,12 @@ class TrainSteps:
     runs on from call to call (a stop check every STOP_CHECK_EVERY steps, as in one long run). Also the
     loop's checkpoint, which saves nothing (cfg.checkpoint_every is 0)."""
 
-    def __init__(self, model, training, cfg, *, stop=None, step_log=None):
+    def __init__(self, model, training, cfg, *, checks=None, step_log=None):
         self.model, self.training, self.cfg = model, training, cfg
         self.per_epoch = training.train_loader.batch_sampler.num_samples // cfg.batch_size
-        self.stop = stop or utils.StopRequest()  # outside a `with`, it installs no signal handlers
-        self.loss_check = utils.LossCheck(training.normalize.scale.device,
-                                          allow_nonfinite=training.scaler.is_enabled())
+        # The recipe's agreed checks; outside a `with`, they install no signal handlers.
+        self.checks = checks or utils.RunChecks(training.train_loader, training.normalize.scale.device,
+                                                allow_nonfinite=training.scaler.is_enabled())
         # The recipe's: no progress lines (0), each step's phases timed, as in training.
         self.step_log = step_log or utils.StepLog(0, training.normalize.scale.device)
         self.steps = self.epoch = 0
@@ -74,9 +74,9 @@ class TrainSteps:
             k, self.epoch = min(n, self.per_epoch), self.epoch + 1
             progress = utils.Progress(position=(self.per_epoch - k) * self.cfg.batch_size, step=self.steps)
             if train_ddp.train_one_epoch(self.model, self.training, epoch=self.epoch, cfg=self.cfg,
-                                         progress=progress, step_log=self.step_log, stop=self.stop,
-                                         loss_check=self.loss_check, checkpoint=self):
-                raise UserError(f"stop requested ({self.stop.reason}): the benchmark ends unfinished")
+                                         progress=progress, step_log=self.step_log, checks=self.checks,
+                                         checkpoint=self):
+                raise UserError(f"stop requested ({self.checks.reason}): the benchmark ends unfinished")
             self.steps, n = self.steps + k, n - k
 
     def seconds_per_step(self, n: int) -> float:
@@ -114,6 +114,24 @@ class Marked:
         return self.__getattr__("__call__")(*args, **kwargs)
 
 
+class MarkedStepLog(utils.StepLog):
+    """The recipe's StepLog (no progress lines), with a timer mark after each step's progress update ("step") and
+    each epoch's start ("epoch")."""
+
+    def __init__(self, device, timer):
+        super().__init__(0, device)
+        self.timer = timer
+
+    def mark(self, phase: str) -> None:
+        super().mark(phase)
+        if phase == "start":
+            self.timer("epoch")
+
+    def update(self, *args) -> None:
+        super().update(*args)
+        self.timer("step")
+
+
 def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
     """The recipe's loop, run separately with timer marks between the phases of each step: data (from the end
     of the previous step: the LR, the loader's batch, the step split, the copy and normalisation),
@@ -129,9 +147,9 @@ def time_phases(model, training, cfg, steps: int, warmup: int = 3) -> dict:
     marked = dataclasses.replace(
         training, normalize=Marked(training.normalize, mark, after={"__call__": "data"}),
         scaler=Marked(training.scaler, mark, before={"step": "fwd_bwd"}, after={"update": "optimizer"}))
-    stop = Marked(utils.StopRequest(), mark, after={"check": "stop check"})
-    step_log = Marked(utils.StepLog(0, device), mark, after={"update": "step", "start": "epoch"})
-    loop = TrainSteps(model, marked, cfg, stop=stop, step_log=step_log)
+    checks = Marked(utils.RunChecks(training.train_loader, device, allow_nonfinite=training.scaler.is_enabled()),
+                    mark, after={"check": "stop check"})
+    loop = TrainSteps(model, marked, cfg, checks=checks, step_log=MarkedStepLog(device, mark))
     loop.run(warmup)
     marks.clear()
     loop.run(steps)

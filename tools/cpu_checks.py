@@ -129,7 +129,8 @@ class ReadyLoader:
 
     def __init__(self, batches, batch_size: int):
         self.batches = itertools.cycle(batches)
-        self.batch_sampler = du.EpochSampler(batch_size, batch_size=batch_size, rank=0, world_size=1)
+        shard = du.ShardSampler(batch_size, num_replicas=1, rank=0, shuffle=True)
+        self.batch_sampler = du.StepSampler([shard], batch_size=batch_size)
 
     def __iter__(self):
         return iter([next(self.batches)])

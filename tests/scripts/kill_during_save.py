@@ -21,7 +21,7 @@ def state(epoch):
 
 out_dir, moment = sys.argv[1], sys.argv[2]
 for epoch in (1, 2):
-    save_checkpoint(out_dir, state(epoch), keep=2)
+    save_checkpoint(out_dir, lambda f: torch.save(state(epoch), f), keep=2)
 
 if moment == "mid-write":
     real_save = torch.save
@@ -41,5 +41,5 @@ else:
             os.kill(os.getpid(), signal.SIGKILL)
         real_replace(src, dst)
     os.replace = die_before_rename
-save_checkpoint(out_dir, state(3), keep=2)
+save_checkpoint(out_dir, lambda f: torch.save(state(3), f), keep=2)  # torch.save, looked up now: the one above
 raise SystemExit("not killed")

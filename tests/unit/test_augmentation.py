@@ -11,7 +11,8 @@ import torch
 import dataset_utils as du
 import train_ddp
 from machinery.errors import UserError
-from machinery.transform_checks import check_transforms, is_crop_flip
+from machinery.transform_checks import check_transforms
+from transforms import CropFlip
 
 FLAGS = argparse.Namespace(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0)
 
@@ -92,7 +93,7 @@ def test_batched_device_augmentation_reaches_all_162_views_uniformly():
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40), (2, 9, 13), (3, 5, 5)])
 def test_the_default_augmentation_scales_with_the_image_on_both_loaders(shape):
     """Zero padding of an eighth of each side (at least 1); the per-image transform (DataLoader workers) and the
-    batched crop and flip (device loader), which recognises it, each reach every crop offset and flip."""
+    batched crop and flip (device loader), which build_transforms marks it for (CropFlip), each reach every crop offset and flip."""
     c, h, w = shape
     pad = du.crop_padding(h, w)
     assert pad == (max(1, h // 8), max(1, w // 8))
@@ -101,7 +102,7 @@ def test_the_default_augmentation_scales_with_the_image_on_both_loaders(shape):
     views = views_of(img[0], pad)
     n = len(views) * 20
     dataset = default_dataset(img.expand(n, c, h, w).clone(), seed=3)
-    assert is_crop_flip(dataset.transform, shape)
+    assert isinstance(dataset.transform, CropFlip) and dataset.transform.size == shape[1:]
     one_by_one = torch.stack([dataset[(5, i)][0] for i in range(n)])
     padded = torch.nn.functional.pad(img.expand(n, c, h, w), (pad[1], pad[1], pad[0], pad[0]))
     batched = du.crop_flip_batch(padded, torch.arange(n), du.mix64(3, 5, torch.arange(n)), pad)

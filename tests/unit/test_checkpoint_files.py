@@ -19,12 +19,17 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, load_checkpoint,
-                                   load_latest_checkpoint, save_checkpoint, state_bytes)
+from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, load_latest_checkpoint,
+                                   save_checkpoint, state_bytes)
 from machinery.resume import check_format, fingerprint
 from machinery.errors import UserError
 from config import make_config
 from train_utils import Checkpoint, DistEnv, Found, Progress
+
+
+def load_checkpoint(path, device=torch.device("cpu")):
+    """As train_utils.find_checkpoint reads a checkpoint: torch.load, weights_only."""
+    return torch.load(path, map_location=device, weights_only=True)
 
 
 @pytest.mark.parametrize("moment, survivor",
@@ -34,10 +39,11 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(tmp_path, moment, s
                            moment], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "the killed write left its partial file"
-    ckpt, path = load_latest_checkpoint(str(tmp_path), torch.device("cpu"), keep=2)
+    ckpt, path = load_latest_checkpoint(str(tmp_path), load_checkpoint, keep=2)
     assert path == str(tmp_path / survivor) and ckpt["progress"]["epoch"] == 2  # the last complete one
     assert torch.equal(ckpt["model"]["w"], torch.full((1 << 20,), 2.0))
-    save_checkpoint(str(tmp_path), {"model": {}, "progress": {"epoch": 3}}, keep=2)  # the next save tidies up
+    save_checkpoint(str(tmp_path), lambda f: torch.save({"model": {}, "progress": {"epoch": 3}}, f),
+                    keep=2)  # the next save tidies up
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.1.pt", "checkpoint.pt"]
 
 
@@ -47,7 +53,7 @@ def test_checkpoint_holding_pickled_code_is_refused(tmp_path):
             return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
     torch.save({"model": {}, "progress": Payload()}, tmp_path / "checkpoint.pt")
     with pytest.raises(UserError, match="no usable checkpoint.*cannot be loaded"):
-        load_latest_checkpoint(str(tmp_path), torch.device("cpu"), keep=2)
+        load_latest_checkpoint(str(tmp_path), load_checkpoint, keep=2)
     assert not (tmp_path / "owned").exists()
 
 

@@ -1,19 +1,73 @@
-"""Which samples each rank trains on (dataset_utils.EpochSampler) and how a step splits into
-micro-batches (deal_step, step_split, config.accumulation_steps): every sample once per epoch on
-any world size, accumulation and resume position, the sampler's keys agreeing with the sizes
-train_step splits by, and micro-batches that never exceed --micro-batch."""
+"""Which samples each rank trains on (dataset_utils.ShardSampler, torch's DistributedSampler unpadded, one per
+virtual rank, and StepSampler, a step's micro-batches) and how a step splits into micro-batches (deal_step,
+step_split, config.accumulation_steps): exactly the order of the sampler before it (EpochSampler, commit 92a1a6a),
+so its checkpoints resume bit-identically; every sample once per epoch on any world size, accumulation and resume
+position, the sampler's keys agreeing with the sizes train_step splits by, and micro-batches that never exceed
+--micro-batch."""
 import itertools
 
 import pytest
 import torch
 
-from dataset_utils import EpochSampler, deal_step
+from dataset_utils import ShardSampler, StepSampler, deal_step
 from config import accumulation_steps
 
 
+def train_sampler(n, *, batch_size, rank, world_size, accum_steps=1, seed=0):
+    """The training sampler as dataset_utils.build_loaders makes it: a DistributedSampler per virtual rank."""
+    shards = [ShardSampler(n, num_replicas=world_size * accum_steps, rank=rank + k * world_size, shuffle=True,
+                           seed=seed) for k in range(accum_steps)]
+    return StepSampler(shards, batch_size=batch_size)
+
+
 def epoch_order(n, seed, epoch):
-    """The epoch's order, as the docstring of EpochSampler defines it: randperm(seed + epoch)."""
+    """The epoch's order, as DistributedSampler makes it: randperm(seed + epoch)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def steps_of_92a1a6a(n, *, batch_size, rank, world_size, accum_steps, seed, epoch, start):
+    """The keys per step of the sampler before DistributedSampler (dataset_utils.EpochSampler at commit 92a1a6a),
+    frozen here: the epoch's order randperm(seed + epoch), steps of batch_size positions from `start`, and in each
+    step micro-step k of `rank` takes positions rank + k x W, rank + k x W + W x A, ... of the step."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    v = world_size * accum_steps
+    for first in range(start, n, batch_size):
+        step = order[first:first + batch_size]
+        yield [(epoch, step[i]) for k in range(accum_steps) for i in range(rank + k * world_size, len(step), v)]
+
+
+EXACT_CASES = [(n, ws, accum, batch, start)
+               for n in (577, 600, 601) for ws in (1, 2, 3, 4) for accum in (1, 2, 3)
+               for batch in (ws * accum * 4, ws * accum * 16, 96)
+               if batch % (ws * accum) == 0
+               for start in (0, batch, 7 * batch, 64, 288, 90) if start < n]
+
+
+@pytest.mark.quick
+def test_the_samplers_deal_exactly_the_order_of_the_sampler_before_them():
+    """World sizes 1 to 4, 1 to 3 micro-steps, 577, 600 and 601 samples (uneven last steps, ranks left empty),
+    from the epoch's start and mid-epoch (at a step of this batch, or of another batch or world size): every
+    rank's keys, step by step, are the 92a1a6a sampler's, so a checkpoint it wrote resumes to the same samples."""
+    assert len(EXACT_CASES) > 500
+    for n, ws, accum, batch, start in EXACT_CASES:
+        for rank in range(ws):
+            new = train_sampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=5)
+            for epoch in (1, 2):
+                new.set_epoch(epoch, start=start)
+                old = list(steps_of_92a1a6a(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum,
+                                            seed=5, epoch=epoch, start=start))
+                assert list(new) == old and len(new) == len(old), (n, ws, accum, batch, start, rank, epoch)
+
+
+@pytest.mark.parametrize("n,ws", [(577, 2), (600, 4), (601, 3), (5, 8), (0, 2)])
+def test_the_test_shard_is_distributed_sampler_s_unshuffled_and_unpadded(n, ws):
+    """Rank r scores r, r + W, ...: torch's shard, padding left off, so every image once over all ranks."""
+    from torch.utils.data import DistributedSampler
+    for rank in range(ws):
+        shard = ShardSampler(n, num_replicas=ws, rank=rank, shuffle=False)
+        assert list(shard) == list(range(rank, n, ws)) and len(shard) == len(range(rank, n, ws))
+        torch_s = list(DistributedSampler(range(n), num_replicas=ws, rank=rank, shuffle=False)) if n else []
+        assert torch_s[:len(shard)] == list(shard)  # torch's, the padding left off
 
 
 @pytest.mark.quick
@@ -28,7 +82,7 @@ def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epo
     for (ws, accum, batch), begin in ((first, 0), (second, position)):
         shards, samplers = [], []
         for rank in range(ws):
-            s = EpochSampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=3)
+            s = train_sampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=3)
             s.set_epoch(7, start=begin)
             steps = list(s)
             assert len(steps) == len(s)
@@ -59,7 +113,7 @@ def test_the_sampler_s_keys_per_step_agree_with_step_split_for_every_shape_of_ru
     assert len(CASES) > 300
     for n, batch, ws, accum, start in CASES:
         order = epoch_order(n, seed=11, epoch=4)
-        samplers = [EpochSampler(n, batch_size=batch, rank=r, world_size=ws, accum_steps=accum, seed=11)
+        samplers = [train_sampler(n, batch_size=batch, rank=r, world_size=ws, accum_steps=accum, seed=11)
                     for r in range(ws)]
         per_rank = []
         for s in samplers:
@@ -92,7 +146,7 @@ def test_a_last_step_that_leaves_a_rank_nothing_still_yields_a_step_on_every_ran
     but it still takes that step (and joins the gradient all-reduce with zero)."""
     sizes = []
     for rank in range(2):
-        s = EpochSampler(577, batch_size=64, rank=rank, world_size=2, seed=0)
+        s = train_sampler(577, batch_size=64, rank=rank, world_size=2, seed=0)
         s.set_epoch(1)
         steps = list(s)
         assert len(steps) == len(s) == 10

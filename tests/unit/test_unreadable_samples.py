@@ -63,7 +63,8 @@ def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_
 
 
 def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink():
-    sampler = du.EpochSampler(48, batch_size=24, rank=1, world_size=2, accum_steps=3)  # micro-batches of 4
+    shards = [du.ShardSampler(48, num_replicas=6, rank=1 + 2 * k, shuffle=True) for k in range(3)]  # 2 ranks x 3
+    sampler = du.StepSampler(shards, batch_size=24)  # micro-batches of 4
     assert sampler.step_split(0) == (24, [4, 4, 4])
     dataset = du.ImageDataset(Files(), split="training")
     images, labels, unreadable = du._collate(dataset.image_shape, [dataset[i] for i in (0, 2, 1, 3, 4, 5)])
