@@ -298,12 +298,12 @@ def time_evaluation(eval_model, training, cfg, env, images_per_s: float) -> dict
     loader, clock = training.test_loader, Clock(env.device)
     count = sum(all_gather(sum(len(labels) for _, labels in loader)))  # every rank's shard
 
-    def score():
+    def evaluate_once():
         return train_ddp.evaluate(eval_model, loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
                                   expected_count=count, tta=cfg.tta)
-    score()
+    evaluate_once()
     start = clock.mark()
-    score()
+    evaluate_once()
     eval_s = clock.seconds(start, clock.mark())
     epoch_s = 50_000 / images_per_s
     out = {"eval_s": eval_s, "images": count, "train_epoch_s": epoch_s, "share": eval_s / (eval_s + epoch_s),
