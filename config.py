@@ -73,8 +73,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
                    help="synthetic: learnable, no download")
     g.add_argument("--data-dir", default="./datasets", help="where cifar-100-python.tar.gz is, or is downloaded to")
-    g.add_argument("--train-size", type=int, default=0, help="use only the first N training samples (0: all)")
-    g.add_argument("--test-size", type=int, default=0, help="use only the first N test samples (0: all)")
+    g.add_argument("--train-size", type=int, default=0,
+                   help="use only N training samples (0: all): the first N, or an image folder's N spread over it")
+    g.add_argument("--test-size", type=int, default=0,
+                   help="use only N test samples (0: all): the first N, or an image folder's N spread over it")
     g.add_argument("--loader", choices=["auto", "gpu", "torch"], default="auto",
                    help="gpu: data kept on the device (the CPU without CUDA); torch: DataLoader workers; "
                    "auto: gpu on CUDA, else torch")
