@@ -452,8 +452,6 @@ def main(args):
             raise UserError(f"--{name} must be at least {least}, got {getattr(args, name)}")
     if args.dataset != "synthetic" and not args.loader_check:  # bench_data and the CPU checks make their own
         raise UserError("bench.py times the step on synthetic images in memory: leave --dataset out")
-    if args.deterministic:  # as train_ddp.main: before CUDA starts
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env = train_ddp.init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
     train_ddp.choose_kernels(deterministic=args.deterministic)
     try:

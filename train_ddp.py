@@ -69,7 +69,8 @@ def build_transforms(cfg, data) -> tuple:
     # per image (in DataLoader workers, or on the GPU with --loader gpu); the default is batched on the GPU.
     # The default, the WRN paper's: zero-pad an eighth of each side (4 for 32), crop back, mirror.
     pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
-    train = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
+    crop_flip = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
+    train = [*crop_flip]
     if cfg.auto_augment == "ta_wide":
         train.append(v2.TrivialAugmentWide())
     if cfg.random_erase:  # filled with the mean colour: 0 once normalised, as torchvision's after Normalize
@@ -77,7 +78,7 @@ def build_transforms(cfg, data) -> tuple:
     mix = [v2.MixUp(alpha=cfg.mixup_alpha, num_classes=data.num_classes)] if cfg.mixup_alpha else []
     mix += [v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=data.num_classes)] if cfg.cutmix_alpha else []
     batch = v2.RandomChoice(mix) if len(mix) == 2 else (mix[0] if mix else None)  # both: one of them, 50/50
-    if len(train) == 2:  # the default alone: the device loader crops and flips whole batches on the GPU
+    if train == crop_flip:  # the default alone: the device loader crops and flips whole batches on the GPU
         return CropFlip(v2.Compose(train), pad=(pad_y, pad_x), size=(data.height, data.width)), None, batch
     return v2.Compose(train), None, batch
 
@@ -252,8 +253,8 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
         labels = labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(images)
-            if tta:
-                logits = (logits + model(images.flip(3))) / 2
+            if tta:  # the first logits copied: a CUDA graph (--compile-mode reduce-overhead) reuses its output
+                logits = (logits.clone() + model(images.flip(3))) / 2
         loss = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
         hits = logits.topk(min(5, logits.size(1)), dim=1).indices == labels[:, None]  # is the k-th best guess right?
         batch_count = torch.full((), labels.numel(), dtype=torch.float64, device=device)  # on the device: no sync
@@ -305,7 +306,8 @@ def train(cfg, env, found, lock) -> int:
     run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
     # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs; a NaN loss; unreadable samples
     with utils.RunChecks(training.train_loader, env.device, allow_nonfinite=training.scaler.is_enabled()) as checks:
-        for epoch in range(progress.epoch + 1, cfg.epochs + 1):  # the first maybe begun
+        # the epochs left, the first maybe begun; none once early stopping ended the run (a requeue after it)
+        for epoch in range(progress.epoch + 1, cfg.epochs + 1) if not progress.stopped_early else ():
             if train_one_epoch(model, training, epoch=epoch, cfg=cfg, progress=progress, step_log=step_log,
                                checks=checks, checkpoint=checkpoint):
                 return checks.exit_status  # a stop request mid-epoch, checkpointed: run again to resume
@@ -323,7 +325,8 @@ def train(cfg, env, found, lock) -> int:
             # Early stopping: the last --patience epochs all reached --target-accuracy (all-reduced: every rank
             # decides alike); never with --patience 0.
             recent = [m["val_acc"] for m in progress.history[-cfg.patience:]] if cfg.patience > 0 else []
-            progress.stopped_early = len(recent) == cfg.patience > 0 and min(recent) >= cfg.target_accuracy
+            progress.stopped_early = (cfg.patience > 0 and len(recent) == cfg.patience
+                                      and min(recent) >= cfg.target_accuracy)
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
             # ADAPT (6/6): an option that finalises its state at the end of training does it here, `if finished:`,
             # before the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
@@ -382,6 +385,8 @@ def choose_kernels(*, deterministic: bool) -> None:
     """cuDNN's and cuBLAS's kernels. By default the fastest for each (fixed) input shape, found by timing them:
     which one wins, and so how its sums round, may differ from run to run. --deterministic: the same kernels and
     sums every run (cudnn.benchmark off, deterministic algorithms; an op that has none warns), slower."""
+    if deterministic:  # cuBLAS reads it when it first allocates its workspace: at the first matmul, after this
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = not deterministic
     torch.backends.cudnn.deterministic = deterministic
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
@@ -392,8 +397,6 @@ def main(args, explicit=frozenset()) -> int:
     evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
     write)."""
     lock = None
-    if args.deterministic:  # cuBLAS reads it when CUDA starts (init_distributed), so it is set first
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     try:
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
         check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why

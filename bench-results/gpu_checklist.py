@@ -40,7 +40,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["tests", "bench", "candidates", "fashion", "exactness"]
 # Each step's cap in seconds on a GPU, about twice what it is expected to take (the total: --budget).
-CAPS = {"tests": 150, "bench": 75, "candidates": 150, "deterministic": 45, "fashion": 150, "exactness": 90}
+CAPS = {"tests": 180, "bench": 75, "candidates": 150, "deterministic": 45, "fashion": 180, "exactness": 90}
 FASHION_DIRS = [os.path.join(ROOT, "datasets", "fashion-mnist"), "/usr/share/datasets/fashion-mnist"]
 # The tests the dry run runs (in-process, no launch): the plumbing of step 1, not the CUDA paths.
 DRY_TESTS = "device_loader_on_the_gpu_matches or pins_memory"
@@ -48,7 +48,7 @@ DRY_TESTS = "device_loader_on_the_gpu_matches or pins_memory"
 # flip) at batch 512, shortened: cosine over the epochs after 2 of warm-up. --target-accuracy: the time to 95%.
 FASHION = ["--recipe", "wrn-paper", "--lr-schedule", "cosine", "--warmup-epochs", "2", "--target-accuracy", "0.95",
            "--patience", "0", "--log-every", "0"]
-FASHION_EPOCHS = 40
+FASHION_EPOCHS = 40  # unless step 2's img/s says how many fit in about 2 minutes (fashion_epochs)
 # The exactness runs: synthetic data, 4 steps an epoch, one run stopped after step 2 of epoch 1 (the stop file is
 # seen at the first check: --checkpoint-every 2 makes step 2 one). One thread per process, as torchrun gives each of
 # several: the CPU's sums (the loader's, and everything in a dry run) then add up in one order in every run.
@@ -89,8 +89,9 @@ class Checklist:
 
     # ------------------------------------------------------------------ running a command under a cap
 
-    def run(self, name: str, cmd: list, cap: float, env=None) -> dict:
-        """`cmd` with its output in <name>.log, killed (its whole process group) at min(cap, the budget left)."""
+    def run(self, name: str, cmd: list, cap: float, env=None, first=signal.SIGTERM) -> dict:
+        """`cmd` with its output in <name>.log, stopped (its whole process group) at min(cap, the budget left): by
+        `first` (SIGTERM: a training run checkpoints and leaves; SIGINT: pytest writes its report), then SIGKILL."""
         limit = max(0.0, min(cap, self.left()))
         log_path = os.path.join(self.dir, f"{name}.log")
         if limit < 5:
@@ -107,9 +108,9 @@ class Checklist:
                 rc = proc.wait(timeout=limit)
                 status = "ok" if rc == 0 else f"failed (exit status {rc})"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGTERM)  # a training run checkpoints and leaves
+                os.killpg(proc.pid, first)
                 try:
-                    proc.wait(timeout=15)
+                    proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
@@ -132,13 +133,15 @@ class Checklist:
 
     def step_tests(self) -> dict:
         xdist = self.query("import importlib.util as u; print(bool(u.find_spec('xdist')))") == "True"
-        workers = ["-n", str(max(1, min(6, (os.cpu_count() or 2) // 2))), "--dist", "load"] if xdist else []
+        # its three files side by side, each whole in one worker (their module fixtures run once)
+        workers = ["-n", str(max(1, min(3, (os.cpu_count() or 2) // 2))), "--dist", "loadfile"] if xdist else []
         junit = os.path.join(self.dir, "tests.xml")
         cmd = [self.python, "-m", "pytest", "tests/gpu", "-o", "addopts=", "-ra", "-q", "-p", "no:cacheprovider",
                f"--junitxml={junit}", *([] if self.dry else workers)]
         if self.dry:
             cmd += ["-k", DRY_TESTS]
-        result = self.run("tests", cmd, self.cap("tests"), env={"GPU_TESTS_ON_CPU": "1"} if self.dry else None)
+        result = self.run("tests", cmd, self.cap("tests"), env={"GPU_TESTS_ON_CPU": "1"} if self.dry else None,
+                          first=signal.SIGINT)  # cut short: pytest still writes tests.xml
         if os.path.exists(junit):
             text = open(junit).read()
             counts = re.search(r'<testsuite [^>]*errors="(\d+)" failures="(\d+)" skipped="(\d+)" tests="(\d+)"',
@@ -196,6 +199,14 @@ class Checklist:
                 return d
         return None
 
+    def fashion_epochs(self) -> int:
+        """--fashion-epochs, else as many as about 2 minutes of training take at step 2's rate (Fashion-MNIST's
+        images have 0.77 of CIFAR's pixels; an epoch: 60,000 images, then 10,000 scored), 10 to 60; else 40."""
+        ips = self.results.get("bench", {}).get("images_per_s")
+        if self.args.fashion_epochs or not ips:
+            return self.args.fashion_epochs or FASHION_EPOCHS
+        return max(10, min(60, int(120 * ips / 0.77 / 70_000)))
+
     def step_fashion(self) -> dict:
         data_dir = self.fashion_dir()
         if data_dir is None:
@@ -206,7 +217,7 @@ class Checklist:
             flags = [*FASHION, "--depth", "10", "--widen-factor", "1", "--batch-size", "64", "--epochs", "1",
                      "--train-size", "256", "--test-size", "128", "--workers", "0", *self.device_flags()]
         else:
-            flags = [*FASHION, "--epochs", str(self.args.fashion_epochs), "--compile", "--amp", "bf16"]
+            flags = [*FASHION, "--epochs", str(self.fashion_epochs()), "--compile", "--amp", "bf16"]
         result = self.train("fashion", [*flags, "--data-dir", data_dir, "--out-dir", out], 1, self.cap("fashion"),
                             script=script, env={"PYTHONPATH": ROOT})
         metrics_path = os.path.join(out, "metrics.jsonl")
@@ -235,8 +246,7 @@ class Checklist:
             exact[exact.index(flag) + 1] = value
         result, cap = {}, CAPS["exactness"] / 2 * (4 if self.dry else 1)  # one run's cap
         # a dry run: --deterministic's alone (the same steps; CI's minutes are few)
-        modes = [("deterministic", ["--deterministic"])] if self.dry else [("default", []),
-                                                                          ("deterministic", ["--deterministic"])]
+        modes = [("deterministic", ["--deterministic"])] + ([] if self.dry else [("default", [])])  # the claim first
         for mode, extra in modes:
             flags, base, runs = [*exact, *model, *extra], os.path.join(self.dir, "exact", mode), {}
             os.makedirs(base, exist_ok=True)
@@ -245,15 +255,17 @@ class Checklist:
                 out, env = ["--out-dir", os.path.join(base, out_dir or name)], {"OMP_NUM_THREADS": "1", **(env or {})}
                 runs[name] = self.train(f"exact-{mode}-{name}", [*flags, *more, *out], nproc, cap, env=env)["status"]
             train("uninterrupted")
-            if not self.dry:  # a repeat: the same code path again, which a dry run's minutes are better spent without
+            if mode == "default":  # two identical runs: what the default kernels leave of "the same"
                 train("repeat")
             stop_file = os.path.join(base, "stop")
             open(stop_file, "w").close()  # seen at the first check: step 2 of epoch 1
             train("stopped", ["--checkpoint-every", "2"], env={"DDP_STOP_FILE": stop_file})  # exits to be resumed
             os.remove(stop_file)
-            train("resumed", out_dir="stopped")
+            stopped = stopped_at(base)  # a comparison of a run that never stopped would prove nothing
+            if stopped is None:
+                train("resumed", out_dir="stopped")
             comparisons = {"repeat": compare(base, "repeat")} if "repeat" in runs else {}
-            comparisons["resumed mid-epoch"] = compare(base, "stopped")
+            comparisons["resumed mid-epoch"] = compare(base, "stopped") if stopped is None else {"error": stopped}
             if self.gpus >= 2:
                 train("accumulation", ["--micro-batch", str(int(exact[exact.index("--batch-size") + 1]) // 2)])
                 train("two", nproc=2)
@@ -296,6 +308,19 @@ def write_fashion_script(folder: str) -> str:
     with open(path, "w") as f:
         f.write(src[:start] + block.strip("\n") + "\n\n\n" + src[end:])
     return path
+
+
+def stopped_at(base: str) -> str | None:
+    """None if the run in base/stopped stopped mid-epoch as asked (its checkpoint at epoch 0, past its first sample),
+    else why not."""
+    import torch
+    path = os.path.join(base, "stopped", "checkpoint.pt")
+    if not os.path.exists(path):
+        return "the stopped run left no checkpoint"
+    progress = torch.load(path, map_location="cpu", weights_only=True)["progress"]
+    if progress["epoch"] != 0 or progress["position"] == 0:
+        return f"the run did not stop mid-epoch 1 (epoch {progress['epoch']} done, position {progress['position']})"
+    return None
 
 
 def compare(base: str, name: str, against: str = "uninterrupted") -> dict | None:
@@ -365,7 +390,7 @@ def render(summary: dict) -> str:
                      + (f"; {f['images_per_s_after_first']:,.0f} img/s after it" if f["images_per_s_after_first"]
                         else ""))
     x = s.get("exactness", {})
-    for mode in ("default", "deterministic"):
+    for mode in ("deterministic", "default"):
         if mode in x:
             lines.append(f"\n**Exactness, {mode}**: " + "; ".join(f"{n}: {describe(cmp)}"
                                                                for n, cmp in x[mode]["comparisons"].items()))
@@ -382,7 +407,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for all the steps, each also under its cap (default: 480; a dry run 1800)")
     p.add_argument("--fashion-dir", default=None, help="Fashion-MNIST's four .gz files (default: see below)")
-    p.add_argument("--fashion-epochs", type=int, default=FASHION_EPOCHS, help="epochs of the Fashion-MNIST run")
+    p.add_argument("--fashion-epochs", type=int, default=0,
+                   help=f"epochs of the Fashion-MNIST run (default: what 2 minutes fit at step 2's rate, else "
+                   f"{FASHION_EPOCHS})")
     p.add_argument("--results", default=None, help="the results folder (default: runs/gpu-checklist/<gpu>-<date>)")
     p.add_argument("--python", default=None, help="the Python with torch (default: this one)")
     args = p.parse_args(argv)

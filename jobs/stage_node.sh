@@ -30,9 +30,10 @@ human() {  # bytes, as du -h writes them
 
 if [[ "${1:-}" == --remove ]]; then
     dest=$2
-    # this node's training processes: their command lines hold --data-dir DEST (the path's regex characters escaped)
+    # this node's training processes: their command lines hold --data-dir DEST, or the folder in it that a tar of the
+    # folder itself holds (the path's regex characters escaped)
     # shellcheck disable=SC2001  # a set of characters escaped: sed, not ${var//}
-    training="--data-dir $(sed 's/[][\\.*^$+?(){}|]/\\&/g' <<< "$dest")( |\$)"
+    training="--data-dir $(sed 's/[][\\.*^$+?(){}|]/\\&/g' <<< "$dest")(/[^ ]*)?( |\$)"
     kill_wait=$(scontrol show config 2>/dev/null | awk '$1 == "KillWait" {print $3}')
     remove() {
         trap '' TERM INT HUP

@@ -100,6 +100,12 @@ def test_early_stopping_stops_every_rank_at_the_same_epoch(tmp_path):
     # Resuming a finished run trains nothing more (nothing to run on several ranks: in this process).
     again = run_in_process(run, check=True)
     assert "Epoch 3/6" not in again.stdout and read_json(out / "summary.json")["epochs_completed"] == 2
+    # A run that stopped early, then died before its summary (a requeue after a kill): it trains no more either.
+    os.remove(out / "summary.json")
+    requeued = run_in_process(run, check=True)
+    assert "Epoch 3/6" not in requeued.stdout and "Early stopping after epoch 2" in requeued.stdout
+    summary = read_json(out / "summary.json")
+    assert summary["stopped_early"] is True and summary["epochs_completed"] == 2
 
 
 EARLY_STOPPING_LINE = re.compile(r"^Early stopping is on: the run ends once (\d+) epochs? in a row reach accuracy "

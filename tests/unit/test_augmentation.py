@@ -4,6 +4,7 @@ flip each reach every view uniformly for any image shape; a transform's output i
 normalisation equals torchvision's."""
 import argparse
 import collections
+import inspect
 
 import pytest
 import torch
@@ -149,3 +150,22 @@ def test_a_transform_that_draws_from_elsewhere_than_torch_s_generator_is_named_a
     from torchvision.transforms import v2
     check(v2.RandomHorizontalFlip(), None)
     assert "two outputs" not in capsys.readouterr().out
+
+
+def test_build_transforms_batches_only_its_own_default_and_never_an_adapter_s_pipeline_of_two_ops():
+    """build_transforms returns the default crop and flip as a CropFlip (the device loader batches it on the GPU);
+    any other list, even of two ops as ADAPT (3/6)'s example for photos, runs as written, per image."""
+    spec = du.DataSpec(3, 32, 32, num_classes=10, mean=(0.5,) * 3, std=(0.25,) * 3)
+    cfg = argparse.Namespace(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0)
+    assert isinstance(train_ddp.build_transforms(cfg, spec)[0], CropFlip)
+    for option in ({"auto_augment": "ta_wide"}, {"random_erase": 0.5}):
+        assert not isinstance(train_ddp.build_transforms(argparse.Namespace(**{**vars(cfg), **option}), spec)[0],
+                              CropFlip)
+    source = inspect.getsource(train_ddp.build_transforms)
+    adapted = source.replace("train = [*crop_flip]", "train = [v2.RandomResizedCrop((data.height, data.width)), "
+                             "v2.RandomHorizontalFlip()]")
+    assert adapted != source
+    namespace = dict(vars(train_ddp))
+    exec(adapted, namespace)  # build_transforms as an adapter edits it
+    train, _, _ = namespace["build_transforms"](cfg, spec)
+    assert not isinstance(train, CropFlip) and type(train.transforms[0]).__name__ == "RandomResizedCrop"

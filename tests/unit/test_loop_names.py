@@ -7,7 +7,7 @@ bare (`log_start`) or as an attribute (`utils.log_start`, `step_log.mark`), coun
 modules (the top level and machinery/; tests and tools aside) define a function, method or class of that name and
 train_ddp.py does not, unless it is reached from torch (`torch.`, `dist.`, `nn.`) or from a local that holds a torch
 object (the model, its optimizer, scaler, loss, tensors), whose methods are torch's even where the project has one
-of the same name. At commit 92a1a6a this counted 35 (`python tests/unit/test_loop_names.py ROOT` lists them)."""
+of the same name. At commit 92a1a6a this counted 35 (`PYTHONPATH=tests python tests/unit/test_loop_names.py ROOT` lists them)."""
 import ast
 import os
 import sys
@@ -72,6 +72,6 @@ def test_the_training_loop_uses_at_most_20_names_the_project_defines():
     assert len(names) <= 20, sorted(names)
 
 
-if __name__ == "__main__":  # python tests/unit/test_loop_names.py [ROOT]: the names, counted
+if __name__ == "__main__":  # PYTHONPATH=tests python tests/unit/test_loop_names.py [ROOT]: the names, counted
     found = loop_names(sys.argv[1] if len(sys.argv) > 1 else ROOT)
     print(len(found), sorted(found))
