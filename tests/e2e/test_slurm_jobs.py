@@ -552,8 +552,9 @@ def test_scancel_while_training_on_staged_files_removes_the_copy_only_after_the_
         slurm, tmp_path, node_disks):
     """scancel signals every step at once, the staged copy's cleanup too; the rank reads on from the copy until its
     checkpoint (up to 10 steps on: the ranks' stop check), so the cleanup waits for it to leave: no file goes
-    missing, and the copy is gone once the job has ended."""
-    _, archive, env = image_folder_job(tmp_path, 640, 64)
+    missing, and the copy is gone once the job has ended. The tar is of the folder itself: --data-dir is the folder
+    inside the copy, which the cleanup waits for as well."""
+    _, archive, env = image_folder_job(tmp_path, 640, 64, folder_itself=True)
     local, views = node_disks("64m")
     out = tmp_path / "run"
     job, log = sbatch("multigpu.sh", tmp_path, ["--gpus=1"],
