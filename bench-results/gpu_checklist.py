@@ -74,9 +74,8 @@ class Checklist:
         self.dir = os.path.abspath(args.results or os.path.join(ROOT, "runs", "gpu-checklist", self.tag))
         shutil.rmtree(self.dir, ignore_errors=True)  # a leftover checkpoint would be resumed and train nothing
         os.makedirs(self.dir)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         self.meta = {"device": self.device, "gpus": self.gpus, "torch": self.torch, "dry_run": self.dry,
-                     "commit": commit.stdout.strip() or "unknown", "date": datetime.date.today().isoformat(),
+                     "commit": args.commit or git_commit(), "date": datetime.date.today().isoformat(),
                      "results": self.dir}
         print(f"=== {self.device} x {self.gpus}, torch {self.torch}, commit {self.meta['commit']}"
               f"{' (dry run)' if self.dry else ''}; results in {self.dir}", flush=True)
@@ -296,6 +295,15 @@ class Checklist:
                 tar.add(self.dir, arcname=self.tag)
 
 
+def git_commit() -> str:
+    """HEAD's short hash, or "unknown" where the copy has no .git (a device machine's copy of the tree: --commit)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:  # no git
+        return "unknown"
+
+
 def write_fashion_script(folder: str) -> str:
     """train_ddp.py with load_data replaced by the README's Fashion-MNIST block (as the tests do), in `folder`."""
     readme = open(os.path.join(ROOT, "README.md")).read()
@@ -412,6 +420,7 @@ def main(argv=None) -> int:
                    f"{FASHION_EPOCHS})")
     p.add_argument("--results", default=None, help="the results folder (default: runs/gpu-checklist/<gpu>-<date>)")
     p.add_argument("--python", default=None, help="the Python with torch (default: this one)")
+    p.add_argument("--commit", default=None, help="the commit the results are of (default: git's HEAD)")
     args = p.parse_args(argv)
     args.budget = args.budget or (1800 if args.dry_run else 480)
     steps = [s for s in args.steps.split(",") if s]
