@@ -243,7 +243,8 @@ def candidates(args, env, data: du.ImageData, write) -> dict:
         torch._dynamo.reset()  # a fresh compile: the cache of one model's forward holds at most 8 graphs
         cfg = recipe_config(args, env, **flags)
         candidate = argparse.Namespace(**{**vars(args), **flags})
-        training = train_ddp.build_training(cfg, env, bench_data(candidate, cfg, env, data))
+        checked = bench_data(candidate, cfg, env, data)
+        training = train_ddp.build_training(cfg, env, checked)
         model = wrap(training.model, candidate, env, args.compile)
         if optimizer_compiled:
             compile_optimizer_step(training.optimizer, args)
@@ -264,9 +265,10 @@ def candidates(args, env, data: du.ImageData, write) -> dict:
         write(result)
         if name == "default":  # the evaluation's cost, with this model: the test set, as each epoch scores it
             eval_model = compile_fn(training.model, args) if args.compile else training.model
-            result["evaluation"] = time_evaluation(eval_model, training, cfg, env, row["images_per_s"])
+            result["evaluation"] = time_evaluation(eval_model, training, cfg, env, row["images_per_s"],
+                                                   count=len(checked.test))
             write(result)
-        del model, training, loop
+        del model, training, loop, checked
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(env.device)
@@ -292,11 +294,10 @@ def compile_optimizer_step(optimizer, args) -> None:
     optimizer.step = step_with_tensor_lr
 
 
-def time_evaluation(eval_model, training, cfg, env, images_per_s: float) -> dict:
+def time_evaluation(eval_model, training, cfg, env, images_per_s: float, *, count: int) -> dict:
     """train_ddp.evaluate over the test split (after one untimed pass), against an epoch of 50,000 training
     images at `images_per_s`: what evaluating every epoch costs the run."""
     loader, clock = training.test_loader, Clock(env.device)
-    count = sum(all_gather(sum(len(labels) for _, labels in loader)))  # every rank's shard
 
     def evaluate_once():
         return train_ddp.evaluate(eval_model, loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,

@@ -277,31 +277,32 @@ def count_classes(train, test) -> int:
     return max(highest) + 1
 
 
-class ShardSampler(DistributedSampler):
-    """torch's DistributedSampler: rank r of num_replicas takes positions r, r + num_replicas, ... of the epoch's
-    order (randperm(seed + epoch) when shuffled; set_epoch each epoch). Two additions:
+class ShardSampler:
+    """torch's DistributedSampler (`sampler`, over range(size), drop_last=False): rank r of num_replicas takes
+    positions r, r + num_replicas, ... of the epoch's order (randperm(seed + epoch) when shuffled; set_epoch each
+    epoch). Two additions:
     - no padding: torch repeats the order's first samples until every rank has as many; here a rank's share ends
       with the data (a sample fewer, or none), so an epoch trains, and a test set scores, every sample once;
     - a start: set_epoch(epoch, start) yields the epoch's positions from `start` on (a resumed epoch's rest)."""
 
-    def __init__(self, size: int, *, num_replicas: int, rank: int, shuffle: bool, seed: int = 0):
-        super().__init__(range(size), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=False)
-        self.virtual_rank, self.start = rank, 0
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler, self.size, self.num_replicas = sampler, len(sampler.dataset), sampler.num_replicas
+        self.virtual_rank, self.start = sampler.rank, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        super().set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
         # The rest of the epoch is dealt from `start`: this rank's first sample is the one at start + rank, which
         # torch's share of rank (start + rank) % num_replicas holds (the same rank unless a run resumes at a step
         # boundary of another batch size or world size).
-        self.start, self.rank = start, (start + self.virtual_rank) % self.num_replicas
+        self.start, self.sampler.rank = start, (start + self.virtual_rank) % self.num_replicas
 
     def __iter__(self):
-        positions = range(self.rank, self.total_size, self.num_replicas)  # in the epoch's order, padding past it
-        return (i for p, i in zip(positions, super().__iter__()) if self.start <= p < len(self.dataset))
+        torch_rank, total = self.sampler.rank, self.sampler.total_size
+        positions = range(torch_rank, total, self.num_replicas)  # in the epoch's order, padding past it
+        return (i for p, i in zip(positions, self.sampler) if self.start <= p < self.size)
 
     def __len__(self) -> int:
-        return len(range(self.start + self.virtual_rank, len(self.dataset), self.num_replicas))
+        return len(range(self.start + self.virtual_rank, self.size, self.num_replicas))
 
 
 class StepSampler:
@@ -313,7 +314,7 @@ class StepSampler:
     or empty), so every rank takes the same number of steps; `step_split` says where the micro-batches part."""
 
     def __init__(self, shards: list, *, batch_size: int):
-        self.shards, self.batch_size, self.num_samples = shards, batch_size, len(shards[0].dataset)
+        self.shards, self.batch_size, self.num_samples = shards, batch_size, shards[0].size
         self.rank, self.accum_steps = shards[0].virtual_rank, len(shards)  # shard k: virtual rank rank + k x W
         self.world_size = shards[0].num_replicas // self.accum_steps
         assert batch_size % shards[0].num_replicas == 0, "the global batch splits into equal micro-batches"
@@ -441,8 +442,9 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     # virtual ranks: micro-step k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train on
     # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (the sampler's) each epoch.
     virtual_ranks = env.world_size * cfg.accumulation_steps
-    shards = [ShardSampler(len(data.train), num_replicas=virtual_ranks, rank=env.rank + k * env.world_size,
-                           shuffle=True, seed=seed) for k in range(cfg.accumulation_steps)]
+    shards = [ShardSampler(DistributedSampler(range(len(data.train)), num_replicas=virtual_ranks,
+                                              rank=env.rank + k * env.world_size, shuffle=True, seed=seed))
+              for k in range(cfg.accumulation_steps)]
     sampler = StepSampler(shards, batch_size=cfg.batch_size)
     data.draws = ("the device loader's crop and flip, from a hash" if batched else
                   "torchvision's ops, seeded per image and micro-batch")
@@ -460,7 +462,8 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
 def build_test_loader(split, cfg, env, device=None, split_name: str = "test", transform=None, shape=None):
     """Rank r scores images r, r + world_size, ... (DistributedSampler's shard, unshuffled): no padding, no dropping,
     maybe none at all."""
-    shard = ShardSampler(len(split), num_replicas=env.world_size, rank=env.rank, shuffle=False)
+    shard = ShardSampler(DistributedSampler(range(len(split)), num_replicas=env.world_size, rank=env.rank,
+                                            shuffle=False))
     if device is not None:
         return DeviceLoader(split, device, indices=shard, batch_size=cfg.eval_batch, transform=transform,
                             split=split_name, shape=shape)

@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.nn as nn
+from torch.utils.data import DistributedSampler
 
 import dataset_utils as du
 import train_ddp
@@ -129,7 +130,7 @@ class ReadyLoader:
 
     def __init__(self, batches, batch_size: int):
         self.batches = itertools.cycle(batches)
-        shard = du.ShardSampler(batch_size, num_replicas=1, rank=0, shuffle=True)
+        shard = du.ShardSampler(DistributedSampler(range(batch_size), num_replicas=1, rank=0))
         self.batch_sampler = du.StepSampler([shard], batch_size=batch_size)
 
     def __iter__(self):

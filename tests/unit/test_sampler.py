@@ -9,14 +9,17 @@ import itertools
 import pytest
 import torch
 
+from torch.utils.data import DistributedSampler
+
 from dataset_utils import ShardSampler, StepSampler, deal_step
 from config import accumulation_steps
 
 
 def train_sampler(n, *, batch_size, rank, world_size, accum_steps=1, seed=0):
     """The training sampler as dataset_utils.build_loaders makes it: a DistributedSampler per virtual rank."""
-    shards = [ShardSampler(n, num_replicas=world_size * accum_steps, rank=rank + k * world_size, shuffle=True,
-                           seed=seed) for k in range(accum_steps)]
+    shards = [ShardSampler(DistributedSampler(range(n), num_replicas=world_size * accum_steps,
+                                              rank=rank + k * world_size, shuffle=True, seed=seed))
+              for k in range(accum_steps)]
     return StepSampler(shards, batch_size=batch_size)
 
 
@@ -62,9 +65,8 @@ def test_the_samplers_deal_exactly_the_order_of_the_sampler_before_them():
 @pytest.mark.parametrize("n,ws", [(577, 2), (600, 4), (601, 3), (5, 8), (0, 2)])
 def test_the_test_shard_is_distributed_sampler_s_unshuffled_and_unpadded(n, ws):
     """Rank r scores r, r + W, ...: torch's shard, padding left off, so every image once over all ranks."""
-    from torch.utils.data import DistributedSampler
     for rank in range(ws):
-        shard = ShardSampler(n, num_replicas=ws, rank=rank, shuffle=False)
+        shard = ShardSampler(DistributedSampler(range(n), num_replicas=ws, rank=rank, shuffle=False))
         assert list(shard) == list(range(rank, n, ws)) and len(shard) == len(range(rank, n, ws))
         torch_s = list(DistributedSampler(range(n), num_replicas=ws, rank=rank, shuffle=False)) if n else []
         assert torch_s[:len(shard)] == list(shard)  # torch's, the padding left off

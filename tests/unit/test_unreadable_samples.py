@@ -3,7 +3,7 @@ slot of the rank's batch, which then lacks it: the micro-batches shrink where it
 samples train as before."""
 import pytest
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, DistributedSampler, Subset
 
 import dataset_utils as du
 import support
@@ -63,7 +63,7 @@ def test_a_sample_of_the_validation_split_is_named_by_its_index_in_the_training_
 
 
 def test_the_batch_lacks_the_unreadable_samples_and_their_micro_batches_shrink():
-    shards = [du.ShardSampler(48, num_replicas=6, rank=1 + 2 * k, shuffle=True) for k in range(3)]  # 2 ranks x 3
+    shards = [du.ShardSampler(DistributedSampler(range(48), num_replicas=6, rank=1 + 2 * k)) for k in range(3)]  # 2x3
     sampler = du.StepSampler(shards, batch_size=24)  # micro-batches of 4
     assert sampler.step_split(0) == (24, [4, 4, 4])
     dataset = du.ImageDataset(Files(), split="training")
