@@ -4,12 +4,14 @@ workers hold, then ignore, the stop signals. Imported where workers start (datas
 import atexit
 import contextlib
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
+import traceback
 from multiprocessing import resource_tracker
 
 from machinery.errors import UserError
@@ -112,10 +114,23 @@ def end_workers_at_exit() -> None:
 
 
 def deaf_to_stop_signals(worker_id: int = 0) -> None:
-    """A loader worker's worker_init_fn: ignore the stop signals, then unblock them (those held are discarded)."""
+    """A loader worker's worker_init_fn: ignore the stop signals, then unblock them (those held are discarded); and
+    a rank that leaves mid-batch is no error of the worker's (quiet_when_rank_leaves)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    sys.excepthook = functools.partial(quiet_when_rank_leaves, default=sys.excepthook)
+
+
+def quiet_when_rank_leaves(kind, value, tb, default) -> None:
+    """A worker's batches reach its rank as file descriptors, handed over by multiprocessing's resource_sharer
+    thread after a handshake. A rank that leaves mid-handshake (a tool ended at once by Ctrl-C or SIGTERM) breaks
+    it, and that thread would print a traceback through sys.excepthook before the rank's own one line: not here."""
+    sharer = os.path.join("multiprocessing", "resource_sharer.py")
+    if (issubclass(kind, (EOFError, OSError, multiprocessing.AuthenticationError))
+            and any(frame.f_code.co_filename.endswith(sharer) for frame, _ in traceback.walk_tb(tb))):
+        return
+    default(kind, value, tb)
 
 
 # In a rank's forkserver (worker_context's preload; started with `python -c`): it and each worker it forks die with

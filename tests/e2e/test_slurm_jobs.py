@@ -91,6 +91,17 @@ def wait_for_line(job_id, log, line, timeout=300):
         time.sleep(0.2)
 
 
+def cleanup_step(job_id):
+    """The id (JOB.STEP) of the job's STAGE_DATA cleanup step (jobs/lib.sh names it ddp-staged-copy), once
+    Slurm lists it."""
+    def listed():
+        steps = subprocess.run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], capture_output=True, text=True)
+        return [step for step, name in (line.split() for line in steps.stdout.splitlines())
+                if name == "ddp-staged-copy"]
+    wait_for(lambda: len(listed()) == 1, what="the cleanup step listed by squeue")
+    return listed()[0]
+
+
 def training_pids(out, log):
     """The job's training processes: torchrun and its ranks, or srun's tasks (those with `out` on their
     command line)."""
@@ -465,8 +476,12 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
                        "--out-dir", out], env=env)
     wait_for_line(job, log, "step 2/")
     with paused(training_pids(out, log)):
+        first_cleanup = cleanup_step(job)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
         wait_for_line(job, log, "signal received: asking the ranks to checkpoint and stop (USR1")
+    wait_for_line(job, log, "Resumed from", timeout=600)
+    with paused(training_pids(out, log)):  # the requeued run, its .err lines so far written
+        second_run = len(read(err))
     assert wait_job(job, log, timeout=900) == "COMPLETED", read(log)
     text, staged_dir = read(log), f"{local}/ddp-data-{job}"
     data_dir = f"{staged_dir}/shared"
@@ -480,7 +495,10 @@ def test_an_image_folder_tar_is_staged_once_per_node_listed_once_read_only_there
     assert all(not os.listdir(view) for view in views.values())
     assert read_json(out / "config.json")["data_dir"] == data_dir
     assert re.fullmatch(r"=== \S+: finished with status 0", text.splitlines()[-1]), text
-    assert not re.search(r"Job step aborted|CANCELLED|STEP \d", read(err)), read(err)
+    # The first run's training step ends as a stop on request does (its tasks exit non-zero, srun's
+    # --kill-on-bad-exit cancels the rest: its lines expected), but not its cleanup step; the second ends cleanly.
+    assert f"STEP {first_cleanup} " not in read(err)[:second_run], read(err)
+    assert not re.search(r"Job step aborted|CANCELLED|STEP \d", read(err)[second_run:]), read(err)
 
     logged = {rank: open(f"{reads}.{rank}").read().splitlines() for rank in range(4)}
     class_folders = [f"{data_dir}/{split}/{d.name}" for split in ("train", "test")

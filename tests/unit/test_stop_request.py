@@ -6,6 +6,7 @@ SIGTERM."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -166,3 +167,23 @@ def test_a_rank_leaving_with_an_agreed_error_keeps_its_status_when_the_launcher_
     assert proc.returncode == 74, (proc.returncode, proc.stderr)
     ours = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo] ")]  # torch 2.8's own
     assert ours == ["still leaving"] and "error: no space left on device" in proc.stderr
+
+
+@pytest.mark.parametrize("worker", [True, False], ids=["loader worker", "plain process"])
+def test_a_rank_leaving_mid_handshake_leaves_no_traceback_in_its_loader_worker(worker):
+    """A batch's storage reaches the rank as a file descriptor after a handshake with the worker's resource_sharer
+    thread; a tool stopped at once by Ctrl-C (bench.py) breaks it off. A loader worker stays quiet, where a plain
+    process (the same thread without the worker's hook) prints multiprocessing's traceback."""
+    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "sharer_peer_left.py"),
+                             "worker" if worker else "plain"], cwd=ROOT, text=True, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": python_path(ROOT)})
+    address = proc.stdout.readline().rstrip("\n")
+    with socket.socket(socket.AF_UNIX) as rank:  # connects, then leaves before the handshake's answer
+        rank.connect(address)
+    _, err = proc.communicate("left\n", timeout=60)
+    assert proc.returncode == 0, err
+    if worker:
+        assert err == "", err
+    else:
+        assert "Traceback" in err and "resource_sharer.py" in err, err
