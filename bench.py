@@ -28,6 +28,10 @@ on every rank at once; then it times the recipe's step on images of the model's 
 It says how many images per second the loader delivers against what the step consumes and, when it falls short,
 the fixes that fit the run (more --workers, the data staged on each node's local disk, the device loader).
 
+--comm-hooks (tools/comm_bench.py) times the step with each of DDP's communication hooks (--comm-hook) side by side:
+the bytes each rank all-reduces per step, and the time above the same step without an all-reduce; preflight.py
+--bench predicts from it the scaling at a job's size (docs/comm-hooks.md).
+
 SIGTERM (timeout, scancel, torchrun) and Ctrl-C stop it at once: one line on stderr, exit status 128 + the
 signal's number (143, 130).
 """
@@ -55,6 +59,7 @@ from machinery.output import log
 from machinery.timing import Clock
 from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
+from tools.comm_bench import comm_hooks
 from tools.cpu_checks import cpu_checks, report_cpu_checks
 from tools.loader_check import file_system, judge, name_fixes, read_rate, say_verdict
 from tools.original_script import original_batches, original_steps
@@ -97,7 +102,6 @@ def get_args_parser(loader_check: bool = False):
     add = p.add_argument_group("bench.py's own", conflict_handler="resolve").add_argument
     add("--steps", type=int, default=50, help="timed steps")
     add("--warmup", type=int, default=10, help="untimed steps first (compile, cuDNN autotuning)")
-    add("--bucket-cap-mb", type=float, default=25, help="DDP gradient bucket size (DDP's default: 25)")
     add("--static-graph", action="store_true", help="DDP static_graph=True (the same graph every step)")
     add("--compare-original", action="store_true", help="also time the original script's pipeline (PIL "
         "transforms in DataLoader workers, fp16, no channels_last, no compile), same device, same run")
@@ -113,6 +117,8 @@ def get_args_parser(loader_check: bool = False):
         "workers, and say whether they keep up with the step (give the run's flags: train_ddp.py's defaults)")
     add("--candidates", action="store_true", help="time ways to a faster step side by side, each against "
         "the default: compile modes, twice the batch, the optimizer step compiled; and the evaluation's cost")
+    add("--comm-hooks", action="store_true", help="the step with each --comm-hook side by side: the bytes each "
+        "rank all-reduces per step, and the time above a step without an all-reduce (for preflight.py --bench)")
     add("--compile-backend", default="inductor", help="torch.compile's backend (eager, aot_eager: a dry run "
         "that checks the plumbing, not the compiler's speed)")
     add("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
@@ -140,15 +146,17 @@ def recipe_config(args, env, **flags) -> config.RunConfig:
 
 
 def wrap(model, args, env, compile_model: bool, step_log=None, mode=None):
-    """train()'s DDP wrapping and compile, with this script's DDP bucket size and static graph; `step_log`:
-    the utils.StepLog that times DDP's all-reduce, as train() has it (None: DDP's own C++ all-reduce); `mode`:
-    torch.compile's (None: --compile-mode)."""
+    """train_ddp.wrap_ddp's DDP wrapping (--bucket-cap-mb, --comm-hook), with bench.py's --static-graph, and train()'s
+    compile; `step_log`: the utils.StepLog that times DDP's all-reduce, as train() has it (None: untimed, DDP's own
+    C++ all-reduce without --comm-hook); `mode`: torch.compile's (None: --compile-mode)."""
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb,
                     static_graph=args.static_graph, **utils.NO_FORWARD_BUFFER_SYNC)
-        if step_log is not None:
-            step_log.watch_ddp(model)
+        state, hook = utils.comm_hook(args, env)
+        hook = step_log.timed_hook(hook) if step_log is not None else hook
+        if hook is not None:
+            model.register_comm_hook(state, hook)
     return compile_fn(model, args, mode) if compile_model else model
 
 
@@ -415,7 +423,8 @@ def bench_original(args, env, cfg, data, checked) -> dict:
     # The recipe's model and SGD (build_training; its loaders never started), as the original script had
     # them: the weights not channels_last, and SGD's default implementation, not the fused one (same on CPU).
     training = train_ddp.build_training(cfg, env, dataclasses.replace(checked, train=None, device=None))
-    model = wrap(training.model.to(memory_format=torch.contiguous_format), args, env, compile_model=False)
+    model = wrap(training.model.to(memory_format=torch.contiguous_format),
+                 argparse.Namespace(**{**vars(args), "comm_hook": "none"}), env, compile_model=False)  # no hook
     for group in training.optimizer.param_groups:
         group["fused"] = None
     amp = torch.float16 if device.type == "cuda" else None  # the original: fp16 autocast on CUDA
@@ -475,6 +484,16 @@ def main(args):
                 write_json(path, result if partial is None else {**result, "candidates": partial})
         if args.loader_check:
             result["loader_check"] = loader_check(args, env)
+        elif args.comm_hooks:
+            if env.world_size < 2:
+                raise UserError("--comm-hooks times DDP's all-reduce: launch at least 2 processes with torchrun")
+
+            def build(flags):  # a fresh model with these flags, as bench_ours builds one
+                cfg = recipe_config(args, env, **flags)
+                training = train_ddp.build_training(cfg, env, bench_data(args, cfg, env, bench_images(args)))
+                return wrap(training.model, argparse.Namespace(**{**vars(args), **flags}), env, args.compile), \
+                    training, cfg
+            result["comm_hooks"] = comm_hooks(args, env, build)
         elif args.candidates:
             if not args.compile:
                 raise UserError("--candidates compares compile modes and a compiled optimizer step: add --compile")

@@ -22,6 +22,11 @@ WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=5
 # torch.compile's modes (--compile-mode): bench.py --candidates times each against the default.
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
 
+# DDP's communication hooks (--comm-hook), torch's own (torch.distributed.algorithms.ddp_comm_hooks): none is DDP's
+# built-in all-reduce of fp32 gradients. docs/comm-hooks.md: where each helps, and what it costs.
+COMM_HOOKS = ["none", "fp16", "bf16", "powersgd"]
+
+
 def depth_arg(text: str) -> int:
     """--depth as argparse reads it: refused on the command line, in one line, unless it is 6n+4 (as
     model.check_depth; the flags import no model)."""
@@ -101,6 +106,14 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="BatchNorm statistics over all ranks (SyncBatchNorm; CUDA only)")
     g.add_argument("--find-unused-parameters", action="store_true",
                    help="let the loss leave parameters out (DDP: cost per step)")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's gradient bucket size in MiB: each bucket is all-reduced once its gradients are in")
+    g.add_argument("--comm-hook", choices=COMM_HOOKS, default="none",
+                   help="DDP communication hook: fp16/bf16 send half the bytes, powersgd a low-rank approximation")
+    g.add_argument("--powersgd-rank", type=int, default=1,
+                   help="--comm-hook powersgd: the approximation's rank (higher: closer, more bytes)")
+    g.add_argument("--powersgd-start", type=int, default=1000,
+                   help="--comm-hook powersgd: optimizer steps of plain all-reduce first (at least 2)")
     g = p.add_argument_group("the modern recipe (each off by default, as in the original script)")
     g.add_argument("--model-ema", action="store_true",
                    help="evaluate and save an EMA of the weights and BatchNorm buffers")
@@ -175,6 +188,10 @@ RESUME_RULES = {
     "micro_batch": NOTED, "reference_batch_size": NOTED, "lr_scaling": NOTED, "lr_schedule": NOTED,
     "warmup_epochs": NOTED, "momentum": NOTED, "nesterov": NOTED, "weight_decay": NOTED,
     "label_smoothing": NOTED, "sync_bn": NOTED, "find_unused_parameters": QUIET,
+    # what crosses the network: the buckets only group the all-reduce; a hook rounds (fp16, bf16) or approximates
+    # (powersgd) the gradients, so a change is noted; PowerSGD restarts on every resume (machinery/comm_hooks.py)
+    "bucket_cap_mb": QUIET, "comm_hook": (NOTED, "none"), "powersgd_rank": (NOTED, ANY),
+    "powersgd_start": (NOTED, ANY),
     # the modern recipe
     "model_ema": RECIPE, "model_ema_decay": (RECIPE, ANY), "clip_grad_norm": RECIPE, "auto_augment": RECIPE,
     "random_erase": RECIPE, "mixup_alpha": RECIPE, "cutmix_alpha": RECIPE, "norm_weight_decay": RECIPE,
@@ -223,6 +240,12 @@ def check_args(args, world_size: int, device: torch.device) -> None:
         raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); "
                         "leave it out on CPU")
     check_recipe_args(args)
+    if args.bucket_cap_mb <= 0:
+        raise UserError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb} (DDP's default: 25)")
+    if args.powersgd_rank < 1 or args.powersgd_start < 2:
+        raise UserError(f"--powersgd-rank must be at least 1 and --powersgd-start at least 2 (DDP rebuilds its "
+                        f"buckets after the first step, which PowerSGD's state must follow), got "
+                        f"{args.powersgd_rank} and {args.powersgd_start}")
     if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
         raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
 

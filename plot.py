@@ -165,27 +165,33 @@ def plot_runs(run_dirs: list, path: str) -> dict:
 
 
 def plot_scaling(bench_files: list, out_dir: str) -> dict:
-    """scaling.png: global img/s against the number of GPUs, with the ideal line, and the scaling
-    efficiency (per-GPU img/s relative to the smallest run) on a second axis."""
+    """scaling.png: global img/s against the number of GPUs, a curve per --comm-hook (jobs/scaling.sh's
+    COMM_HOOKS), with the ideal line from the smallest run, and each curve's scaling efficiency (per-GPU img/s
+    relative to its smallest run) on a second axis."""
     plt = _pyplot()
-    points = []
+    curves = {}  # comm hook -> [(GPUs, img/s)]
     for path in bench_files:
         with open(path) as f:
             r = json.load(f)
-        points.append((r["world_size"], r["ours"]["images_per_s"]))
-    points.sort()
-    n0, ips0 = points[0]
-    gpus, ips = [p[0] for p in points], [p[1] for p in points]
-    efficiency = [100 * (v / n) / (ips0 / n0) for n, v in points]
+        hook = r["config"].get("comm_hook", "none")  # older results: DDP's own all-reduce
+        curves.setdefault(hook, []).append((r["world_size"], r["ours"]["images_per_s"]))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(gpus, ips, marker="o", label="measured")
-    ax.plot(gpus, [ips0 / n0 * n for n in gpus], linestyle="--", label="ideal (linear)")
+    ax2 = ax.twinx()
+    gpus = sorted({n for points in curves.values() for n, _ in points})
+    first = min((p for points in curves.values() for p in points), key=lambda p: (p[0], -p[1]))
+    for hook, points in sorted(curves.items(), key=lambda kv: kv[0] != "none"):
+        points.sort()
+        n0, ips0 = points[0]
+        label = "measured" if len(curves) == 1 else f"--comm-hook {hook}"
+        line, = ax.plot([n for n, _ in points], [v for _, v in points], marker="o", label=label)
+        ax2.plot([n for n, _ in points], [100 * (v / n) / (ips0 / n0) for n, v in points], marker="s",
+                 linestyle=":", color=line.get_color(), label=f"efficiency % ({hook})" if len(curves) > 1
+                 else "efficiency %")
+    ax.plot(gpus, [first[1] / first[0] * n for n in gpus], linestyle="--", color="gray", label="ideal (linear)")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("images/s")
     ax.set_xticks(gpus)
     ax.grid(alpha=0.3)
-    ax2 = ax.twinx()
-    ax2.plot(gpus, efficiency, marker="s", color="tab:green", label="efficiency %")
     ax2.set_ylabel("scaling efficiency (%)")
     ax2.set_ylim(0, 110)
     lines = ax.get_lines() + ax2.get_lines()

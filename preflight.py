@@ -19,6 +19,7 @@ there names its cause at once, where torchrun or the ranks would wait for their 
 import argparse
 import fcntl
 import ipaddress
+import json
 import os
 import socket
 import struct
@@ -52,6 +53,9 @@ def get_args_parser():
                    help="seconds before a hung rendezvous or collective fails")
     p.add_argument("--max-mib", type=int, default=256,
                    help="largest all-reduce message for the bandwidth test")
+    p.add_argument("--bench", metavar="JSON",
+                   help="a bench.py --comm-hooks result: predict the scaling efficiency at this job's size with "
+                        "each --comm-hook, from its step time and bytes and the bandwidth measured here")
     p.add_argument("--network", metavar="HOST:PORT",
                    help="only check the network, one process per node under srun: every node reaches "
                         "HOST:PORT (the rendezvous; the first node listens there) and the interface that "
@@ -93,6 +97,33 @@ def bus_bandwidth(device, max_mib: int) -> list:
         results.append((mib, x.numel() * 4 * 2 * (n - 1) / n / seconds / 1e9))
         mib *= 4
     return results
+
+
+def read_comm_bench(path: str) -> dict:
+    """bench.py --comm-hooks' result in `path` (its "comm_hooks"), or UserError naming how to make one."""
+    try:
+        with open(path) as f:
+            return json.load(f)["comm_hooks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = "it holds no comm_hooks result" if isinstance(e, (KeyError, TypeError)) else str(e).splitlines()[0]
+        raise UserError(f"--bench {path}: {why}; make one with torchrun --nproc_per_node=2 bench.py --comm-hooks "
+                        f"--json {path} (on the job's GPUs, with its per-GPU batch)") from None
+
+
+def predict_scaling(bench: dict, bus_gbs: float, world_size: int, *, mib: int) -> list:
+    """Lines predicting the scaling efficiency at `world_size` ranks with each hook: the all-reduce of the bytes the
+    hook sends per step (bench.py --comm-hooks) at `bus_gbs` (nccl-tests' bus bandwidth, measured with `mib` MiB
+    messages: a ring sends 2(N-1)/N of the bytes), against the step's time without an all-reduce. Between two
+    bounds: DDP hides none of it behind backward, or all of it."""
+    compute, lines = bench["compute_s"], []
+    lines.append(f"predicted scaling at {world_size} ranks: a step of {compute * 1e3:.2f} ms without all-reduce "
+                 f"(bench.py --comm-hooks on {bench['world_size']} ranks), all-reduced at {bus_gbs:.2f} GB/s (the "
+                 f"{mib} MiB messages'); efficiency if backward hides none of it - all of it:")
+    for hook, row in bench["rows"].items():
+        comm = row["bytes_per_step"] * 2 * (world_size - 1) / world_size / (bus_gbs * 1e9)
+        lines.append(f"  --comm-hook {hook}: {row['bytes_per_step'] / 2**20:.2f} MiB per step, all-reduce "
+                     f"{comm * 1e3:.2f} ms: {compute / (compute + comm):.0%} - {compute / max(compute, comm):.0%}")
+    return lines
 
 
 def topology_hints() -> list:
@@ -255,6 +286,7 @@ def reach_master(ip: str, port: int, host: str, timeout: float, shown: str) -> l
 def main(args) -> int:
     if args.network:
         return check_network(args)
+    bench = read_comm_bench(args.bench) if args.bench else None  # bad input: one line, before any work
     try:
         env = init_distributed(args.device, args.timeout)
         device = env.device
@@ -306,6 +338,9 @@ def main(args) -> int:
             bw = bus_bandwidth(device, args.max_mib if device.type == "cuda" else min(args.max_mib, 16))
             log("all_reduce bus bandwidth: " + ", ".join(f"{mib} MiB {gbs:.2f} GB/s" for mib, gbs in bw))
             best = max(gbs for _, gbs in bw)
+            bucket_mib, bucket_gbs = min(bw, key=lambda point: abs(point[0] - 25))  # DDP's buckets: 25 MiB
+            for line in predict_scaling(bench, bucket_gbs, env.world_size, mib=bucket_mib) if bench else ():
+                log(line)
             nodes = len({r["host"] for r in ranks})
             if device.type == "cuda" and nodes > 1 and best < 5:
                 log(f"warning: {best:.1f} GB/s between nodes looks like TCP sockets, not InfiniBand/RoCE: "

@@ -9,8 +9,8 @@ process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU
 (--recipe): config.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
 the first three, its model, data and augmentation (the data describe themselves; the model, normalisation and
 augmentation follow; a task other than classification also changes loss_fn and evaluate's metrics). Then the DDP
-story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP and loops
-over the epochs.
+story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP (wrap_ddp)
+and loops over the epochs.
 """
 import datetime
 import functools
@@ -288,17 +288,13 @@ def train(cfg, env, found, lock) -> int:
                                   model=model, optimizer=training.optimizer, scaler=training.scaler,
                                   optional={"model_ema": (training.ema, "the average starts from the weights")})
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
-    if env.distributed:  # DDP all-reduces (averages) the gradients in backward; bucket views spare a copy.
-        # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
-        # statistics; evaluate() and checkpoints take rank 0's. ADAPT (5/6): a model whose forward in training reads
-        # its buffers needs them in sync: drop NO_FORWARD_BUFFER_SYNC (DDP then broadcasts rank 0's each forward).
-        model = DDP(model, device_ids=[env.local_rank] if env.cuda else None,
-                    gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
-                    **utils.NO_FORWARD_BUFFER_SYNC)
-    # Progress lines with the run's ETA, and where each rank's step time goes, DDP's all-reduce timed by a comm
-    # hook (--profile: traces).
+    # Progress lines with the run's ETA, and where each rank's step time goes (--profile: traces).
     step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
-                             epochs=cfg.epochs, ddp=model if env.distributed else None)
+                             epochs=cfg.epochs)
+    # ADAPT (5/6): a model whose forward in training reads its buffers needs them in sync: drop wrap_ddp's
+    # NO_FORWARD_BUFFER_SYNC (DDP then broadcasts rank 0's before each forward).
+    if env.distributed:
+        model = wrap_ddp(model, cfg, env, step_log)
     if cfg.compile:  # a static graph per shape (the last batch is smaller)
         model, eval_model = (torch.compile(m, dynamic=False, mode=cfg.compile_mode) for m in (model, eval_model))
 
@@ -342,6 +338,24 @@ def train(cfg, env, found, lock) -> int:
                 break
     run_files.finish(progress)  # why it ends here, summary.json and the original script's summary lines
     return 0
+
+
+def wrap_ddp(model, cfg, env, step_log) -> DDP:
+    """DDP all-reduces (averages) the gradients in backward, bucket by bucket (--bucket-cap-mb) as each bucket's
+    gradients come in, overlapped with the rest of backward; bucket views spare a copy. --comm-hook changes what the
+    all-reduce sends; the step log times it, at each bucket's hand-off."""
+    # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
+    # statistics; evaluate() and checkpoints take rank 0's (a model that reads them: train() says what to drop).
+    model = DDP(model, device_ids=[env.local_rank] if env.cuda else None, bucket_cap_mb=cfg.bucket_cap_mb,
+                gradient_as_bucket_view=True, find_unused_parameters=cfg.find_unused_parameters,
+                **utils.NO_FORWARD_BUFFER_SYNC)
+    # torch's hooks (torch.distributed.algorithms.ddp_comm_hooks): fp16_compress_hook or bf16_compress_hook (half
+    # the bytes), or powerSGD_hook with its PowerSGDState (a low-rank approximation); (None, None): DDP's own.
+    state, hook = utils.comm_hook(cfg, env)
+    hook = step_log.timed_hook(hook)  # None: neither a hook nor timing, DDP's built-in C++ all-reduce
+    if hook is not None:
+        model.register_comm_hook(state, hook)
+    return model
 
 
 def evaluate_checkpoint(cfg, env, found) -> int:

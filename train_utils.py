@@ -1,7 +1,7 @@
-"""What train_ddp.py uses, in the order it uses it: the LR schedule, the loss sums, the unused-parameter check, the
-checks the ranks agree on (RunChecks: a stop request, a non-finite loss, unreadable samples), where training stands
-(Progress), the checkpoint a run continues (find_checkpoint: every rank's torch.load) and what a checkpoint holds
-(Checkpoint: rank 0's torch.save), and the original script's first lines. Below it,
+"""What train_ddp.py uses, in the order it uses it: the LR schedule, DDP's options and comm hook, the loss sums, the
+unused-parameter check, the checks the ranks agree on (RunChecks: a stop request, a non-finite loss, unreadable
+samples), where training stands (Progress), the checkpoint a run continues (find_checkpoint: every rank's torch.load)
+and what a checkpoint holds (Checkpoint: rank 0's torch.save), and the original script's first lines. Below it,
 machinery/ (machinery/README.md). One error protocol throughout: a problem the user can fix is a UserError
 (exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = [  # what the recipe calls, from here or from the machinery
     "load_checked_data", "measure_data", "CheckedData",
     "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start",
     "lr_factor", "step_stats", "LossCheck", "RunChecks", "check_parameters_used",
-    "NO_FORWARD_BUFFER_SYNC", "STOP_CHECK_EVERY",
+    "NO_FORWARD_BUFFER_SYNC", "comm_hook", "STOP_CHECK_EVERY",
     "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
 
 
@@ -61,6 +61,16 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else {"broadcast_buffers": False})
+
+
+def comm_hook(cfg, env: DistEnv) -> tuple:
+    """--comm-hook as DDP.register_comm_hook takes it, (state, hook): torch's own hooks, fp16_compress_hook,
+    bf16_compress_hook, or powerSGD_hook with its PowerSGDState (machinery/comm_hooks.py, loaded only then); (None,
+    None) for none, DDP's built-in all-reduce."""
+    if cfg.comm_hook == "none":
+        return None, None
+    from machinery.comm_hooks import torch_comm_hook
+    return torch_comm_hook(cfg, env)
 
 
 # The epoch's sums, one float64 tensor on the device (one all-reduce sums them all), slot by slot: the loss
@@ -371,7 +381,11 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
         f"{tuple(round(m, 4) for m in spec.mean)}, std {tuple(round(s, 4) for s in spec.std)}")
     if cfg.patience:
         log(describe_early_stopping(cfg))
-    for note in [*found.notes, *flag_notes(cfg, found.ckpt)]:
+    notes = [*found.notes, *flag_notes(cfg, found.ckpt)]
+    if cfg.comm_hook != "none":  # what compressing the all-reduce changes
+        from machinery.comm_hooks import comm_hook_notes
+        notes += comm_hook_notes(cfg, found.ckpt, steps=cfg.epochs * math.ceil(len(data.train) / cfg.batch_size))
+    for note in notes:
         log(f"note: {note}")
 
 
@@ -419,3 +433,4 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
                      f"{cfg.warmup_epochs:g}): the LR peaks only at epoch "
                      f"{min(cfg.warmup_epochs, cfg.epochs):g}; for a short run, lower --warmup-epochs")
     return notes
+

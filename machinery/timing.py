@@ -38,11 +38,11 @@ class Clock:
 class StepLog:
     """Rank 0's progress lines (update) and this rank's split of its time into PHASES (mark: what ends now),
     compared across ranks by finish_epoch. CUDA marks are read at the epoch's end (no sync per step), so the split
-    is GPU time: a GPU idle for want of data shows it as data. `profile_dir`: --profile's traces; `ddp`: the DDP
-    model whose all-reduce it times (watch_ddp)."""
+    is GPU time: a GPU idle for want of data shows it as data. `profile_dir`: --profile's traces. DDP's all-reduce is
+    timed by the comm hook it wraps (timed_hook)."""
 
     def __init__(self, every: int, device: torch.device, *, timed: bool = True,
-                 profile_dir: str | None = None, epochs: int = 0, ddp=None):
+                 profile_dir: str | None = None, epochs: int = 0):
         self.progress = ProgressLines(every, epochs)
         self.device, self.timed, self.cuda = device, timed, device.type == "cuda"
         self.clock = Clock(device)
@@ -53,8 +53,6 @@ class StepLog:
         if profile_dir:
             from machinery.profiler import Profiler
             self.profiler = Profiler(profile_dir, self.cuda)
-        if ddp is not None:  # DDP's all-reduce, timed: computing and waiting apart in the step's time split
-            self.watch_ddp(ddp)
 
     def mark(self, phase: str) -> None:
         """The step log's one mark: what ends now. "start": nothing; the epoch's training starts (or resumes) here.
@@ -91,13 +89,17 @@ class StepLog:
         self.progress.update(epoch, step, steps, images, loss, t0)
         self.mark("other")
 
-    def watch_ddp(self, ddp_model) -> None:
-        """Wrap DDP's default all-reduce (allreduce_hook): the last bucket's hand-off ends backward's compute."""
-        def timed_allreduce(process_group, bucket):
+    def timed_hook(self, hook=None):
+        """DDP's comm hook (None: its all-reduce, as allreduce_hook) with a time mark at each bucket's hand-off, for
+        ddp.register_comm_hook: the last bucket's ends backward's compute, so computing and waiting for the network
+        come apart in the step's time split. Not timed: `hook` itself (None: DDP's built-in C++ all-reduce)."""
+        if not self.timed:
+            return hook
+
+        def timed(state, bucket):
             self.last_bucket = self.now()
-            return allreduce_hook(process_group, bucket)
-        if self.timed:
-            ddp_model.register_comm_hook(None, timed_allreduce)
+            return (hook or allreduce_hook)(state, bucket)
+        return timed
 
     def seconds(self) -> dict:
         """This rank's time in each phase since start(), in seconds."""

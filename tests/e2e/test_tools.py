@@ -149,3 +149,41 @@ def test_preflight_fails_when_a_node_lacks_the_data(tmp_path):
     assert proc.returncode == 1
     assert "FAILED: rank 0 on" in proc.stderr and f"neither {empty}/cifar-100-python/ nor" in proc.stderr
     assert "all checks passed" not in proc.stdout
+
+
+def test_bench_comm_hooks_counts_each_hooks_bytes_and_preflight_predicts_the_scaling_from_them(tmp_path):
+    """bench.py --comm-hooks on 2 ranks: per step, none all-reduces every fp32 gradient once, fp16 and bf16 half of
+    that, PowerSGD (compressing from step 3) a small share in more all-reduces. preflight.py --bench reads it and
+    predicts a scaling efficiency per hook at its own size; a file without that result is one line."""
+    path = tmp_path / "hooks.json"
+    proc = launch(["--comm-hooks", "--depth", 10, "--widen-factor", 1, "--batch-size", 64, "--steps", 3,
+                   "--warmup", 3, "--device", "cpu", "--train-size", 1024, "--json", path], nproc=2,
+                  script="bench.py")
+    result = read_json(path)["comm_hooks"]
+    rows, gradients = result["rows"], result["gradient_bytes"]
+    assert list(rows) == ["none", "fp16", "bf16", "powersgd"]
+    from model import WideResNet
+    assert gradients == 4 * sum(p.numel() for p in WideResNet(10, 1, num_classes=100).parameters())  # fp32
+    assert rows["none"]["bytes_per_step"] == gradients
+    assert rows["fp16"]["bytes_per_step"] == rows["bf16"]["bytes_per_step"] == gradients / 2
+    assert rows["powersgd"]["bytes_per_step"] < 0.2 * gradients
+    assert rows["powersgd"]["all_reduces_per_step"] > rows["none"]["all_reduces_per_step"]
+    assert result["compute_s"] > 0 and all(r["step_s"] > 0 and r["comm_s"] >= 0 for r in rows.values())
+    assert re.search(r"^comm hook fp16: [\d.]+ MiB per step \(0\.500x none's\) in 1 all-reduces; step ",
+                     proc.stdout, re.M)
+
+    pre = launch(["--dataset", "synthetic", "--out-dir", tmp_path / "out", "--device", "cpu", "--bench", path],
+                 nproc=2, script="preflight.py")
+    assert re.search(r"^predicted scaling at 2 ranks: a step of [\d.]+ ms without all-reduce \(bench.py "
+                     r"--comm-hooks on 2 ranks\), all-reduced at [\d.]+ GB/s \(the 16 MiB messages'\)", pre.stdout,
+                     re.M)
+    for hook in rows:
+        assert re.search(rf"^  --comm-hook {hook}: [\d.]+ MiB per step, all-reduce [\d.]+ ms: \d+% - \d+%$",
+                         pre.stdout, re.M), pre.stdout
+    (tmp_path / "other.json").write_text("{}")
+    refused = launch(["--bench", tmp_path / "other.json", "--device", "cpu"], torchrun=False,
+                     script="preflight.py", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        f"error: --bench {tmp_path}/other.json: it holds no comm_hooks result; make one with torchrun "
+        f"--nproc_per_node=2 bench.py --comm-hooks --json {tmp_path}/other.json (on the job's GPUs, with its "
+        f"per-GPU batch)")
