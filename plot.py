@@ -166,7 +166,7 @@ def plot_runs(run_dirs: list, path: str) -> dict:
 
 def plot_scaling(bench_files: list, out_dir: str) -> dict:
     """scaling.png: global img/s against the number of GPUs, a curve per --comm-hook (jobs/scaling.sh's
-    COMM_HOOKS), with the ideal line from the smallest run, and each curve's scaling efficiency (per-GPU img/s
+    COMM_HOOKS), with the ideal line from none's smallest run, and each curve's scaling efficiency (per-GPU img/s
     relative to its smallest run) on a second axis."""
     plt = _pyplot()
     curves = {}  # comm hook -> [(GPUs, img/s)]
@@ -178,7 +178,7 @@ def plot_scaling(bench_files: list, out_dir: str) -> dict:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax2 = ax.twinx()
     gpus = sorted({n for points in curves.values() for n, _ in points})
-    first = min((p for points in curves.values() for p in points), key=lambda p: (p[0], -p[1]))
+    first = min(curves.get("none") or next(iter(curves.values())))  # the ideal's base: none's smallest run
     for hook, points in sorted(curves.items(), key=lambda kv: kv[0] != "none"):
         points.sort()
         n0, ips0 = points[0]

@@ -23,13 +23,13 @@ from support import (ACCUM_RUN, CKPT_RUN, FAST_EXIT, STARTED, kill_all, launch_f
 # (by number of tests, which ran 2-test files of 2 minutes last), simulated on the times of 8f31cce, a whole file
 # per worker as `--dist loadfile` gives them. A file not listed (the unit files, a new one) goes first: a short
 # one costs nothing there, a long one is where it should be; add a new end-to-end file's time here.
-FILE_SECONDS = {
-    "test_slurm_jobs.py": 503, "test_adapt.py": 372, "test_training_run.py": 335, "test_gpu_checklist.py": 240,
-    "test_write_failures.py": 182,
-    "test_diagnostics.py": 181, "test_stop_signals.py": 139, "test_elastic.py": 121, "test_lr_rule.py": 114,
-    "test_fault_tolerance.py": 106, "test_tools.py": 77, "test_resume.py": 69, "test_out_dir.py": 61,
-    "test_modern_recipe.py": 59, "test_tool_signals.py": 58, "test_ddp_math.py": 45,
-    "test_records_and_progress.py": 44, "test_bad_input.py": 33, "test_accumulation.py": 8, "test_bn_stats.py": 1,
+FILE_SECONDS = {  # measured: the per-file sums of a --durations run, 2026-11-29 (41a3b28, plus the comm hooks' tests)
+    "test_slurm_jobs.py": 555, "test_adapt.py": 397, "test_training_run.py": 199, "test_write_failures.py": 182,
+    "test_diagnostics.py": 176, "test_gpu_checklist.py": 137, "test_fault_tolerance.py": 130,
+    "test_stop_signals.py": 128, "test_tools.py": 127, "test_elastic.py": 119, "test_resume.py": 110,
+    "test_lr_rule.py": 76, "test_tool_signals.py": 69, "test_records_and_progress.py": 66, "test_out_dir.py": 62,
+    "test_modern_recipe.py": 55, "test_ddp_math.py": 35, "test_comm_hooks.py": 30, "test_bad_input.py": 30,
+    "test_stop_request.py": 11, "test_accumulation.py": 8, "test_bn_stats.py": 1,
 }
 
 
