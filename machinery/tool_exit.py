@@ -38,7 +38,7 @@ class StoppedBySignal(KeyboardInterrupt):
     """SIGTERM (timeout, scancel, torchrun) or SIGINT (Ctrl-C), raised in the main thread."""
 
 
-_stop = {"signum": None, "lock": threading.Lock()}
+_stop = {"signum": None, "lock": threading.Lock(), "exiting": False}
 
 
 def catch_stop_signals(grace_s: float = 1.5) -> None:
@@ -85,7 +85,11 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     sys.excepthook, sys.unraisablehook = excepthook, unraisable
-    os.register_at_fork(after_in_child=in_child)
+    def hold_forks():  # a thread starting a DataLoader worker while exit_stopped runs waits for the exit instead
+        if _stop["exiting"]:
+            _stop["lock"].acquire()
+
+    os.register_at_fork(before=hold_forks, after_in_child=in_child)
     threading.Thread(target=backstop, name="stop-backstop", daemon=True).start()
 
 
@@ -100,13 +104,34 @@ def exit_stopped(signum: int, flush: bool = True) -> None:
         rank = f"rank {env.rank}: " if env.world_size > 1 else ""
         os.write(2, (f"{os.path.basename(sys.argv[0])}: {rank}stopped by "
                      f"{signal.Signals(signum).name}\n").encode())
-        # DataLoader workers still up would outlive this process by seconds
+        # DataLoader workers still up would outlive this process by seconds (until their 5 s check of their parent);
+        # the main thread may be starting one now (the signal arrived in another thread while it held them): no
+        # fork from here on (hold_forks), and the forks not yet registered with multiprocessing are found too.
+        _stop["exiting"] = True
         mp = sys.modules.get("multiprocessing")
         children = mp.active_children() if mp else []
         for child in children:  # SIGKILL: the loader workers ignore SIGTERM (deaf_to_stop_signals)
             with contextlib.suppress(Exception):
                 child.kill()
+        kill_forks()
         for child in children:  # gone before we are, so nothing of ours outlives the exit line
             with contextlib.suppress(Exception):
                 child.join(timeout=1.0)
+        kill_forks()  # one whose fork was under way at the first look
         os._exit(128 + signum)
+
+
+def kill_forks() -> None:
+    """SIGKILL this process's children that are forks of it (their command line its own: DataLoader workers of the
+    fork context, whether multiprocessing has registered them yet or not). Linux's /proc; elsewhere nothing."""
+    def command_line(pid) -> bytes:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    with contextlib.suppress(OSError):
+        me, mine = os.getpid(), command_line(os.getpid())
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                if parent == me and command_line(entry) == mine:
+                    os.kill(int(entry), signal.SIGKILL)
