@@ -113,10 +113,10 @@ def test_nonfinite_loss_stops_with_a_clear_error_and_saves_nothing(tmp_path):
 
 
 def test_fp16_divergence_stops_with_a_clear_error(tmp_path):
-    """fp16 on a CPU is slow (no native kernels): 4 steps an epoch, the first finite, then NaN from the huge LR's
-    weights: most steps since the last check (the epoch's end) not finite."""
+    """fp16 on a CPU is slow (no native kernels): 4 steps of 16 an epoch, the first finite, then NaN from the huge
+    LR's weights: most steps since the last check (the epoch's end) not finite."""
     out = tmp_path / "run"
-    base = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 32, "--batch-size", 32,
+    base = ["--dataset", "synthetic", "--train-size", 64, "--test-size", 16, "--batch-size", 16,
             "--epochs", 2, "--out-dir", out, "--amp", "fp16", *TINY]
     run_in_process([*base, "--stop-after-epoch", 1], check=True)
     good = (out / "checkpoint.pt").read_bytes()
