@@ -85,6 +85,7 @@ def catch_stop_signals(grace_s: float = 1.5) -> None:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
     sys.excepthook, sys.unraisablehook = excepthook, unraisable
+
     def hold_forks():  # a thread starting a DataLoader worker while exit_stopped runs waits for the exit instead
         if _stop["exiting"]:
             _stop["lock"].acquire()

@@ -72,11 +72,15 @@ def job_field(job_id, field):
     return None
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")  # Slurm's final job states; the others (PENDING, RUNNING, COMPLETING, REQUEUED...) pass
+
+
 def wait_job(job_id, log, timeout=600):
     deadline = time.time() + timeout
     while time.time() < deadline:
         state = job_field(job_id, "JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+        if state in ENDED:
             return state
         time.sleep(1)
     subprocess.run(["scancel", job_id])
@@ -84,10 +88,11 @@ def wait_job(job_id, log, timeout=600):
 
 
 def wait_for_line(job_id, log, line, timeout=300):
-    """Wait until the job's log holds `line`; fail at once if the job ends first."""
+    """Wait until the job's log holds `line`; fail at once if the job ends first (a requeue's passing states,
+    COMPLETING and REQUEUED, are not an end)."""
     deadline = time.time() + timeout
     while line not in read(log):
-        assert time.time() < deadline and job_field(job_id, "JobState") in ("PENDING", "RUNNING"), read(log)
+        assert time.time() < deadline and job_field(job_id, "JobState") not in ENDED, read(log)
         time.sleep(0.2)
 
 
