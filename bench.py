@@ -488,9 +488,11 @@ def main(args):
             if env.world_size < 2:
                 raise UserError("--comm-hooks times DDP's all-reduce: launch at least 2 processes with torchrun")
 
+            images = bench_images(args)  # made once, shared by every hook's model
+
             def build(flags):  # a fresh model with these flags, as bench_ours builds one
                 cfg = recipe_config(args, env, **flags)
-                training = train_ddp.build_training(cfg, env, bench_data(args, cfg, env, bench_images(args)))
+                training = train_ddp.build_training(cfg, env, bench_data(args, cfg, env, images))
                 return wrap(training.model, argparse.Namespace(**{**vars(args), **flags}), env, args.compile), \
                     training, cfg
             result["comm_hooks"] = comm_hooks(args, env, build)
