@@ -14,6 +14,7 @@ and loops over the epochs.
 """
 import datetime
 import functools
+import gc
 import os
 import sys
 import time
@@ -426,6 +427,11 @@ def main(args, explicit=frozenset()) -> int:
         if lock:
             lock.release()
         if dist.is_initialized():
+            # The DDP model holds the process group. An error raised on this rank (a failed write) leaves it in a
+            # reference cycle, its exception's frames, that only the garbage collector frees: now, not during the
+            # interpreter's exit after the group, where freeing it can abort the process ("terminate called without
+            # an active exception").
+            gc.collect()
             dist.destroy_process_group()
 
 

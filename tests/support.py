@@ -169,7 +169,8 @@ def run_env(nproc: int, env=None, fast_exit=True) -> dict:
     included, for the runs that are a user's command as written (the README's, the original script's
     lines, --compile, the GPU checks), so that what only those collections do still fails a test: a
     finalizer's "Exception ignored", or a DDP model left in a reference cycle until after its process group
-    is gone, which can abort the process there (machinery/timing.py's watch_ddp; not with gloo, measured)."""
+    is gone, which can abort the process there (train_ddp.main collects before it destroys the group;
+    e/test_write_failures.py checks it after a failed write)."""
     env = env or {}
     path = python_path(*([env["PYTHONPATH"]] if "PYTHONPATH" in env else []), fast_exit=fast_exit)
     merged = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
@@ -340,13 +341,13 @@ def kill_all(proc):
              what="the killed ranks to exit")
 
 
-def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None):
-    """torchrun (or plain python) in the background, its output in a file (by default the out-dir's
-    path + .log); returns (process, log path)."""
+def start(args, nproc=2, extra=(), env=None, torchrun=True, log=None, script="train_ddp.py"):
+    """torchrun (or plain python) running `script` in the background, its output in a file (by default the
+    out-dir's path + .log); returns (process, log path)."""
     log = str(log or os.path.join(str(args[args.index("--out-dir") + 1]) + ".log"))
     launcher = (TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", *extra] if torchrun
                 else [sys.executable])
-    cmd = launcher + [os.path.join(ROOT, "train_ddp.py")]
+    cmd = launcher + [os.path.join(ROOT, script)]
     f = open(log, "w")
     proc = subprocess.Popen(cmd + [str(a) for a in args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                             env=run_env(nproc, env), start_new_session=True)

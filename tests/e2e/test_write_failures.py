@@ -5,6 +5,7 @@ half-written, and after freeing space the same command resumes and ends with the
 uninterrupted run. Needs root (the tmpfs); skipped elsewhere."""
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -35,12 +36,12 @@ def without_timing(rows):
     return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
 
 
-def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point):
+def run_until_write_fails(args, nproc, torchrun, when, leave, mount_point, script="train_ddp.py"):
     """Start the run, fill the disk once `when(out)` holds, and wait for the run to end; returns
     (exit status, output, seconds from the error line to the exit, the filler file)."""
     out = args[args.index("--out-dir") + 1]
     # off the small disk
-    proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log")
+    proc, log = start(args, nproc=nproc, torchrun=torchrun, log=mount_point.parent / "run.log", script=script)
     wait_for(lambda: when(out) or proc.poll() is not None, timeout=180, what="the moment to fill the disk")
     assert proc.poll() is None, text(log)
     with paused(launcher_and_ranks(proc)):  # the disk fills before the run's next write, however fast it goes
@@ -87,6 +88,21 @@ def test_full_disk_at_an_epoch_end_checkpoint_ends_every_rank_in_one_line_and_re
     resumed = launch_forked(args, nproc=2)
     assert "Resumed from" in resumed.stdout and "Training completed successfully." in resumed.stdout
     assert without_timing(read_jsonl(out / "metrics.jsonl")) == without_timing(reference[0])
+
+
+def test_a_failed_write_frees_every_ranks_ddp_model_before_destroying_the_process_group(small_fs):
+    """Rank 0's failed write leaves its exception's frames, the DDP model among them, in a reference cycle. Freed
+    only by the interpreter's last collection, after destroy_process_group, the model and the process group's
+    threads can abort the process at exit (seen under srun: "terminate called without an active exception",
+    status 134 instead of 74). The entry point collects them before it destroys the group."""
+    out = small_fs / "run"
+    status, output, _, _ = run_until_write_fails([*RUN, "--out-dir", out], 2, True,
+                                                 lambda o: metrics_rows(o) == 1, 64 * 1024, small_fs,
+                                                 script="tests/scripts/teardown_probe.py")
+    failed = "error: no space left on device writing the checkpoint after epoch 2" in output
+    assert (status, failed) == (1, True), output
+    alive = re.findall(r"teardown probe: rank (\d+): (\d+) DDP models alive at destroy_process_group", output)
+    assert sorted(alive) == [("0", "0"), ("1", "0")], output
 
 
 def test_full_disk_at_a_mid_epoch_checkpoint_under_plain_python(small_fs):

@@ -21,7 +21,7 @@ UNIT = "GPUs" if CUDA else "CPU processes"  # as the log's lines name them
 def launch(*args, **kwargs):
     """support.launch with the interpreter's own exit (fast_exit=False), as a user's run has it: with NCCL, a
     DDP model freed only by the final garbage collections, after its process group, can abort the process
-    there (machinery/timing.py's watch_ddp); and a GPU node has the cores to spare."""
+    there (train_ddp.main collects before it destroys the group); and a GPU node has the cores to spare."""
     return support.launch(*args, fast_exit=False, **kwargs)
 
 

@@ -79,7 +79,7 @@ def test_training_on_gpus_resumes_and_finishes(tmp_path, amp):
 
 def test_each_epoch_reports_every_rank_s_gpu_time_split_and_peak_memory(tmp_path):
     """On CUDA the split is of the GPU's time (CUDA events read at the epoch's end; DDP's all-reduce timed by
-    watch_ddp's hook), and the log and metrics.jsonl hold each rank's peak memory; --profile leaves a trace with
+    the step log's comm hook), and the log and metrics.jsonl hold each rank's peak memory; --profile leaves a trace with
     the GPU's kernels."""
     out = tmp_path / "run"
     proc = launch([*RUN, "--epochs", 1, "--out-dir", out, "--profile"], nproc=NPROC)
