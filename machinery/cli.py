@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import faulthandler
+import gc
 import signal
 import sys
 import textwrap
@@ -17,6 +19,7 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
     """Run main(args, explicit) (`explicit`: the dests given) with --recipe applied; Ctrl-C before the training loop
     (later, it is a checkpointed stop) and a hung or dead peer are one line on every rank, not a wall of C++ frames."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
+    free_traceback_at_exit()  # a bug's traceback: its frames, the DDP model among them, freed before finalization
     args, explicit = parse_flags(parser, recipes, sys.argv[1:] if argv is None else argv)
     try:
         return record(main)(args, explicit)  # a bug's traceback goes into torchrun's failure report
@@ -33,6 +36,21 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
         print(line, file=sys.stderr, flush=True)
         report_to_launcher(line)
         return 1
+
+
+def free_traceback_at_exit() -> None:
+    """At exit, while the interpreter is still whole, free the frames of the traceback Python printed (a bug's): they
+    hold the DDP model and through it the process group's threads, which freed during the interpreter's finalization
+    can abort the process after the traceback ("terminate called without an active exception"). A debugger's
+    post-mortem (python -m pdb) has had them by then. Registered once, however often called."""
+    atexit.unregister(_free_printed_traceback)
+    atexit.register(_free_printed_traceback)
+
+
+def _free_printed_traceback() -> None:
+    if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:  # exc: 3.12+
+        sys.last_exc = sys.last_type = sys.last_value = sys.last_traceback = None
+        gc.collect()
 
 
 def parse_flags(parser, recipes: dict, argv) -> tuple:

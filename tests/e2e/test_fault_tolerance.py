@@ -2,8 +2,9 @@
 end with the weights of an uninterrupted run, bit for bit), a truncated latest checkpoint (the
 previous one is used, to the same end), a hung peer (a clear timeout in about --timeout; SIGUSR2
 dumps the stacks), a rank that never joins, and a non-finite loss (fp32 and fp16 divergence: a clear
-error, the good checkpoint untouched), and a rank killed with kill -9 leaves no process of its run behind (its
-loader workers and their forkserver included). (Stop requests and resumes: test_resume.py; a kill during a
+error, the good checkpoint untouched), a bug mid-training (its traceback, and its frames freed before the
+interpreter's finalization), and a rank killed with kill -9 leaves no process of its run behind (its loader
+workers and their forkserver included). (Stop requests and resumes: test_resume.py; a kill during a
 checkpoint's write: tests/unit/test_checkpoint_files.py.)"""
 import os
 import signal
@@ -137,6 +138,21 @@ def loader_workers_below(pid) -> list:
         except OSError:
             return ""
     return [p for p in descendants(pid) if name(p) == "pt_data_worker"]
+
+
+def test_a_bug_mid_training_keeps_its_traceback_and_frees_the_ddp_model_before_the_interpreter_finalizes(tmp_path):
+    """A bug (a ValueError in rank 0's third step) is printed with its traceback, whose frames hold the DDP model
+    (sys.last_traceback). Freed only in the interpreter's finalization, the model and its process group's threads
+    can abort the process after the traceback; run_cli's atexit handler frees them while the interpreter is
+    whole."""
+    run = ["--dataset", "synthetic", "--train-size", 256, "--test-size", 64, "--batch-size", 32, "--epochs", 1,
+           *TINY, "--device", "cpu", "--out-dir", tmp_path / "run"]
+    proc = launch(run, nproc=2, script="tests/scripts/teardown_probe.py", env={"TEARDOWN_PROBE_BUG": "3"},
+                  check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "ValueError: teardown probe: a bug in the training step" in proc.stderr, proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr, proc.stderr
+    assert "teardown probe: rank 0: 0 DDP models alive at exit" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])

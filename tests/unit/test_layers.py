@@ -91,12 +91,13 @@ def test_the_layer_checks_find_a_planted_upward_import_and_a_cycle():
     assert top("dataset_utils") in CORE
 
 
-CLOSURE_MAX_LINES = 3375  # what a copier takes along: the project's modules that `import train_ddp` loads (3,302
+CLOSURE_MAX_LINES = 3400  # what a copier takes along: the project's modules that `import train_ddp` loads (3,302
 # on 2026-11-28, after --deterministic, the run's time to a target and the Data line's size range; 3,363 on
-# 2026-11-29, after --comm-hook's flags and wrap_ddp, its hooks themselves loaded only when asked for)
+# 2026-11-29, after --comm-hook's flags and wrap_ddp, its hooks themselves loaded only when asked for; 3,388 after
+# the teardown frees a failure's DDP model before the interpreter's finalization)
 
 
-def test_importing_the_recipe_loads_at_most_3375_lines_of_the_project():
+def test_importing_the_recipe_loads_at_most_3400_lines_of_the_project():
     """`import train_ddp` loads the core and the machinery it always needs; what only some runs need (a resume,
     CIFAR-100's files, --profile, --init-from, the modern recipe's ops, DataLoader workers, a failure's explanation)
     loads when that run needs it."""
