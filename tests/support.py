@@ -169,8 +169,9 @@ def run_env(nproc: int, env=None, fast_exit=True) -> dict:
     included, for the runs that are a user's command as written (the README's, the original script's
     lines, --compile, the GPU checks), so that what only those collections do still fails a test: a
     finalizer's "Exception ignored", or a DDP model left in a reference cycle until after its process group
-    is gone, which can abort the process there (train_ddp.main collects before it destroys the group;
-    e/test_write_failures.py checks it after a failed write)."""
+    is gone, which can abort the process there (train_ddp.main collects before it destroys the group, and
+    run_cli frees a bug's traceback at exit: e/test_write_failures.py and e/test_fault_tolerance.py check
+    both with tests/scripts/teardown_probe.py)."""
     env = env or {}
     path = python_path(*([env["PYTHONPATH"]] if "PYTHONPATH" in env else []), fast_exit=fast_exit)
     merged = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads_per_rank(nproc), **env,
