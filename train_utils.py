@@ -433,4 +433,3 @@ def flag_notes(cfg, ckpt: dict | None = None) -> list:
                      f"{cfg.warmup_epochs:g}): the LR peaks only at epoch "
                      f"{min(cfg.warmup_epochs, cfg.epochs):g}; for a short run, lower --warmup-epochs")
     return notes
-

@@ -3,6 +3,7 @@ the ranks (torchrun's environment, gloo), a small conv net gets a batch of its o
 backward are compared with the mean of every rank's own gradients (from a replica without DDP), fp16-rounded as the
 hook rounds them, and with the fp32 mean. Rank 0 prints one JSON line."""
 import copy
+import gc
 import json
 import sys
 
@@ -44,4 +45,6 @@ if rank == 0:
                       "equals_fp32_mean": all(torch.equal(a, b) for a, b in zip(got, fp32_mean)),
                       "largest_difference_from_fp32": max((a - b).abs().max().item()
                                                           for a, b in zip(got, fp32_mean))}))
+del ddp  # freed before its process group, as train_ddp.main's teardown has it: after, at exit, it can abort
+gc.collect()
 dist.destroy_process_group()
