@@ -46,6 +46,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import config
@@ -185,7 +186,9 @@ def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
                              du.loader_device(cfg, env, train, test))
 
 
-def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -> dict:
+def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData, on_step_time) -> dict:
+    """The recipe's step timed; on_step_time(step_s) as soon as that figure exists (bench.py writes its JSON then:
+    a run cut later keeps its headline), then the phases, MFU's FLOPs, memory and an epoch's augmentation."""
     device, accum, cuda = env.device, cfg.accumulation_steps, env.device.type == "cuda"
     training = train_ddp.build_training(cfg, env, checked)
     step_log = utils.StepLog(0, device)  # the recipe's: the step's phases timed, DDP's all-reduce by its hook
@@ -197,6 +200,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData) -
     loop.run(args.warmup)
     log("warm-up done: the timed steps begin")
     step_s = loop.seconds_per_step(args.steps)
+    on_step_time(step_s)
     peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None  # training, data included
     phase_steps = max(10, args.steps // 2)
     phases = time_phases(model, training, cfg, phase_steps)
@@ -236,7 +240,8 @@ def candidates(args, env, data: du.ImageData, write) -> dict:
     after --warmup, a fresh model, compiled afresh), side by side in this process, each as a ratio to the first,
     today's default (the flags given). In order of value, so that a run cut short keeps the first; `write(result)`
     after each. Then what evaluating the test set costs an epoch. --deterministic runs in a process of its own
-    (cuBLAS's setting must come before CUDA starts): bench.py --deterministic."""
+    (bench.py --deterministic: cuBLAS reads its workspace setting when it makes its first handle, and the rows here
+    share one)."""
     per_gpu = args.batch_size // env.world_size
     rows = [("default", {}, False), ("compile-mode reduce-overhead", {"compile_mode": "reduce-overhead"}, False),
             (f"batch {2 * per_gpu} per GPU", {"batch_size": 2 * args.batch_size}, False),
@@ -257,19 +262,27 @@ def candidates(args, env, data: du.ImageData, write) -> dict:
         if optimizer_compiled:
             compile_optimizer_step(training.optimizer, args)
         loop, clock = TrainSteps(model, training, cfg), Clock(env.device)
+        # Dynamo's and Inductor's counters: graphs compiled (a recompile while timed is one more), and the graphs
+        # that reduce-overhead ran without CUDA graphs (DDP can make it skip them, with no more than a warning).
+        graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         start = clock.mark()
         loop.run(args.warmup)
         warmup_s = clock.seconds(start, clock.mark())
+        warm_graphs = counters["stats"]["unique_graphs"]
         step_s = loop.seconds_per_step(args.steps)
         row = {"flags": flags, "optimizer_compiled": optimizer_compiled, "step_s": step_s,
                "images_per_s": cfg.batch_size / step_s, "warmup_s": warmup_s, "peak_memory_gib":
-               torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None}
+               torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None,
+               "graphs": counters["stats"]["unique_graphs"] - graphs,
+               "graphs_while_timed": counters["stats"]["unique_graphs"] - warm_graphs,
+               "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips}
         result["rows"][name] = row
         default = statistics.mean(r["images_per_s"] for n, r in result["rows"].items() if n.startswith("default"))
         for other in result["rows"].values():
             other["ratio"] = other["images_per_s"] / default
         log(f"candidate {name}: {row['images_per_s']:.0f} img/s, {row['ratio']:.3f}x the default "
-            f"(warm-up {warmup_s:.1f} s)")
+            f"(warm-up {warmup_s:.1f} s; {row['graphs']} graphs compiled, {row['graphs_while_timed']} while timed; "
+            f"{row['cudagraph_skips']} skipped CUDA graphs)")
         write(result)
         if name == "default":  # the evaluation's cost, with this model: the test set, as each epoch scores it
             eval_model = compile_fn(training.model, args) if args.compile else training.model
@@ -512,12 +525,16 @@ def main(args):
             data = bench_images(args)
             checked = bench_data(args, cfg, env, data)
             peak, peak_note = peak_flops(device, cfg.amp_dtype)
-            ours = bench_ours(args, env, cfg, checked, data)
-            ips = args.batch_size / ours["step_s"]
-            ours.update(images_per_s=ips, images_per_s_per_gpu=ips / env.world_size,
-                        mfu=ours["flops_per_image"] * ips / env.world_size / peak if peak else None,
-                        peak_note=peak_note)
-            result["ours"] = ours
+
+            def headline(step_s):
+                ips = args.batch_size / step_s
+                result["ours"] = {"step_s": step_s, "images_per_s": ips, "images_per_s_per_gpu": ips / env.world_size}
+                write()
+            ours = bench_ours(args, env, cfg, checked, data, on_step_time=headline)
+            ours.update(result["ours"])
+            ours["mfu"] = ours["flops_per_image"] * ours["images_per_s_per_gpu"] / peak if peak else None
+            result["ours"] = {**ours, "peak_note": peak_note}
+            write()
             report_ours(ours, device, env.world_size, peak_note)
             if args.compare_original:
                 original = bench_original(args, env, cfg, data, checked)

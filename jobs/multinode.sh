@@ -27,7 +27,7 @@ set -uo pipefail
 source "${PROJECT_DIR:-${SLURM_SUBMIT_DIR:-.}}/jobs/lib.sh"
 job_preamble "$@"  # lib.sh: what Slurm granted, the recipe, torch's GPUs, NCCL's flight recorder
 
-# NCCL knobs: uncomment what your cluster needs (see the README's troubleshooting section).
+# NCCL knobs: uncomment what your cluster needs (see docs/troubleshooting.md).
 # GPUs on different CPU sockets with broken peer-to-peer (DAIC, some PCIe boxes): hangs at the first
 # all-reduce.
 # export NCCL_P2P_DISABLE=1

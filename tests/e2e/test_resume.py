@@ -224,8 +224,8 @@ def test_a_run_that_changes_only_what_may_change_resumes(finished, tmp_path):
 
 def test_deterministic_sets_the_kernels_records_them_and_a_resume_that_changes_it_is_noted(tmp_path):
     """--deterministic: cuDNN's and cuBLAS's deterministic algorithms, cudnn.benchmark off, CUBLAS_WORKSPACE_CONFIG
-    set before CUDA starts (an op without a deterministic algorithm warns); config.json and run.json say so. A resume
-    without it goes on with the default kernels, and its log says what changed."""
+    set before cuBLAS makes its first handle (an op without a deterministic algorithm warns); config.json and
+    run.json say so. A resume without it goes on with the default kernels, and its log says what changed."""
     out = tmp_path / "run"
     run = ["--dataset", "synthetic", "--train-size", 128, "--test-size", 64, "--batch-size", 32, "--epochs", 2, *TINY,
            "--log-every", 0, "--out-dir", out]

@@ -6,7 +6,8 @@ import torch
 from gpu_common import AMP, DEVICE, NPROC, RUN, SKIP_WITHOUT_A_GPU, launch
 from support import load_model_state, read_json, read_jsonl
 
-pytestmark = SKIP_WITHOUT_A_GPU
+# one worker for this file's tests under pytest-xdist's --dist loadgroup (the GPU checklist): they share one run
+pytestmark = [SKIP_WITHOUT_A_GPU, pytest.mark.xdist_group("options")]
 
 
 OPTIONS = ["--model-ema", "--model-ema-decay", 0.9, "--clip-grad-norm", 1e9, "--tta", "--val-size", 256,
