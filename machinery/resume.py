@@ -88,7 +88,10 @@ def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool
 
 
 def describe_shape(shape: dict) -> str:
+    """"3 x 32 x 32 images of 100 classes", or with the channels alone "3-channel images"."""
     classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
+    if "height" not in shape:
+        return f"{shape['channels']}-channel images{classes}"
     return f"{shape['channels']} x {shape['height']} x {shape['width']} images{classes}"
 
 

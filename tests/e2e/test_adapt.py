@@ -427,12 +427,13 @@ LAMBDA_TRANSFORMS = MIXED_TRANSFORMS.replace("v2.RandomHorizontalFlip()", "v2.La
 
 @pytest.fixture(scope="module")
 def mixed_folder(tmp_path_factory):
-    """60 training and 24 test PNGs of 3 classes, 12, 14 or 16 pixels a side (the first 14), as the digits come."""
+    """60 training and 24 test PNGs of 3 classes, 12, 14 or 16 pixels a side, as the digits come: the first training
+    image 14, the first test image 16."""
     from PIL import Image
     root, noise = tmp_path_factory.mktemp("mixed"), np.random.default_rng(0)
     for split, n in (("train", 60), ("test", 24)):
         for i in range(n):
-            side = (14, 16, 12)[i // 3 % 3]
+            side = (14, 16, 12)[(i // 3 + (split == "test")) % 3]
             folder = root / split / f"digit_{i % 3}"
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(noise.integers(0, 256, (side, side), dtype=np.uint8)).save(folder / f"{i:03d}.png")
@@ -443,8 +444,9 @@ def test_the_readme_folder_reader_honours_the_size_flags_and_the_records_name_it
                                                                                                  mixed_folder):
     """The README's image-folder load_data with transforms of one's own, on 2 ranks with a loader worker each:
     --train-size 30 and --test-size 12 train on 30 and score 12 images; the Data line gives the images' size range;
-    config.json, summary.json and run.json name the folder as the Data line does (not --dataset's cifar100); and a
-    line says where the training transform runs per image, with its rate."""
+    config.json, summary.json and run.json name the folder as the Data line does (not --dataset's cifar100); a
+    line says where the training transform runs per image, with its rate; and --evaluate scores the run's checkpoint
+    on the same mixed sizes (its first test image is not the size of its first training image)."""
     script = adapted_script(tmp_path / "code", load_data=readme_load_data("image folders"),
                             build_transforms=MIXED_TRANSFORMS)
     out = tmp_path / "run"
@@ -462,6 +464,9 @@ def test_the_readme_folder_reader_honours_the_size_flags_and_the_records_name_it
                read_json(out / "run.json")["config"]]
     assert all(r["dataset"] == r["data"] == source for r in records), records
     assert "does nothing here" not in proc.stdout
+    scored = run_adapted(script, [*TINY, "--data-dir", mixed_folder, "--test-size", 12, "--batch-size", 10,
+                                  "--workers", 1, "--device", "cpu", "--evaluate", "--out-dir", out])
+    assert f"Validation Accuracy: {metrics['val_acc']:.4f}" in scored.stdout, scored.stdout + scored.stderr
 
 
 def test_a_transform_that_cannot_be_pickled_is_named_in_one_line_with_its_fix_before_any_worker_starts(
