@@ -57,7 +57,7 @@ from machinery.errors import UserError, all_gather
 from machinery.files import write_json
 from machinery.launch import cpus_per_rank
 from machinery.output import log
-from machinery.timing import Clock
+from machinery.timing import Clock, StepLog
 from machinery.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.comm_bench import comm_hooks
@@ -70,59 +70,53 @@ SHAPE_DEFAULTS = {"depth": 16, "widen_factor": 8, "batch_size": 512}
 CPU_CHECK_DEFAULTS = {"depth": 10, "widen_factor": 1, "batch_size": 64}
 # Where bench.py's defaults differ from train_ddp.py's (None: resolve_shape fills it in).
 BENCH_DEFAULTS = {**dict.fromkeys(SHAPE_DEFAULTS), "workers": 8, "loader": "gpu", "dataset": "synthetic"}
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except None, "" and bench.py's own: those flags say in words what they default
-    to."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, "") or action.dest in BENCH_DEFAULTS:
-            return action.help
-        return super()._get_help_string(action)
+# bench.py's switches: what it runs besides the headline, and how.
+SWITCHES = {
+    "--static-graph": "DDP static_graph=True (the same graph every step)",
+    "--compare-original": "also time the original script's pipeline (PIL transforms in DataLoader workers, fp16, "
+                          "no channels_last, no compile), same device, same run",
+    "--cpu-checks": "augmentation per core, and the loop's overhead against a bare loop (WRN-10-1, batch 64 unless "
+                    "given; on images of its own: --train-size does nothing there)",
+    "--profile": "--cpu-checks: also profile a few steps of each loop (torch.profiler) and print where their time "
+                 "goes (not train_ddp.py's --profile)",
+    "--augment-share": "the modern recipe's augmentation (TrivialAugment, random erasing, mixup/cutmix): the step "
+                       "with and without it, and its loader alone, on both loaders",
+    "--loader-check": "read batches from --data-dir with the run's loader and workers, and say whether they keep up "
+                      "with the step (give the run's flags: train_ddp.py's defaults)",
+    "--candidates": "time ways to a faster step side by side, each against the default: compile modes, twice the "
+                    "batch, the optimizer step compiled; and the evaluation's cost",
+    "--comm-hooks": "the step with each --comm-hook side by side: the bytes each rank all-reduces per step, and the "
+                    "time above a step without an all-reduce (for preflight.py --bench)",
+}
 
 
 def get_args_parser(loader_check: bool = False):
     """train_ddp.py's flags (config.py's parser), with BENCH_DEFAULTS unless for --loader-check (the run's
     flags, with train_ddp.py's defaults), and bench.py's own after them."""
     p = config.get_args_parser()
-    p.description, p.formatter_class = __doc__.split("\n")[0], HelpFormatter
+    p.description = __doc__.split("\n")[0]
     p.epilog = ("train_ddp.py's flags make the step timed as they make training's, on synthetic data in "
                 "memory (--dataset synthetic only; --train-size: how many, 0 for CIFAR-100's 50,000): "
                 "those of files and evaluation (--data-dir, --out-dir, --evaluate, --tensorboard, ...) do "
-                "nothing here but with --loader-check, where every flag is the run's. Defaults unlike "
-                "train_ddp.py's (but with --loader-check): --depth, --widen-factor, --batch-size, --workers, "
-                "--loader and --dataset (their help says which); --profile is bench.py's own.")
-    for action in p._actions:
-        if (dest := action.dest) in BENCH_DEFAULTS and not loader_check:
-            shape = f"{SHAPE_DEFAULTS.get(dest)}; {CPU_CHECK_DEFAULTS.get(dest)} with --cpu-checks"
-            action.help += f" (default: {BENCH_DEFAULTS[dest] or shape}; train_ddp.py's: {action.default})"
-    if not loader_check:
+                "nothing here but with --loader-check, where every flag is the run's. --profile is bench.py's own.")
+    if not loader_check:  # the help's defaults are then bench.py's; the epilog gives train_ddp.py's
+        unlike = ", ".join(f"--{dest.replace('_', '-')} {value} (train_ddp.py's: {p.get_default(dest)})"
+                           for dest, value in BENCH_DEFAULTS.items() if value is not None)
+        p.epilog += (f" Defaults unlike train_ddp.py's (but with --loader-check): {unlike}; --depth, --widen-factor "
+                     f"and --batch-size unset (None) take {', '.join(map(str, SHAPE_DEFAULTS.values()))}, the "
+                     f"recipe's, or {', '.join(map(str, CPU_CHECK_DEFAULTS.values()))} with --cpu-checks.")
         p.set_defaults(**BENCH_DEFAULTS)
     # "resolve": bench.py's --profile replaces train_ddp.py's (a trace of training steps into its out-dir).
     add = p.add_argument_group("bench.py's own", conflict_handler="resolve").add_argument
     add("--steps", type=int, default=50, help="timed steps")
     add("--warmup", type=int, default=10, help="untimed steps first (compile, cuDNN autotuning)")
-    add("--static-graph", action="store_true", help="DDP static_graph=True (the same graph every step)")
-    add("--compare-original", action="store_true", help="also time the original script's pipeline (PIL "
-        "transforms in DataLoader workers, fp16, no channels_last, no compile), same device, same run")
-    add("--cpu-checks", action="store_true", help="augmentation per core, and the loop's overhead against a "
-        "bare loop (WRN-10-1, batch 64 unless given; on images of its own: --train-size does nothing there)")
     add("--rounds", type=int, default=200,
         help="--cpu-checks: rounds of the loop-overhead check, one step of each loop per round")
-    add("--profile", action="store_true", help="--cpu-checks: also profile a few steps of each loop "
-        "(torch.profiler) and print where their time goes (not train_ddp.py's --profile)")
-    add("--augment-share", action="store_true", help="the modern recipe's augmentation (TrivialAugment, "
-        "random erasing, mixup/cutmix): the step with and without it, and its loader alone, on both loaders")
-    add("--loader-check", action="store_true", help="read batches from --data-dir with the run's loader and "
-        "workers, and say whether they keep up with the step (give the run's flags: train_ddp.py's defaults)")
-    add("--candidates", action="store_true", help="time ways to a faster step side by side, each against "
-        "the default: compile modes, twice the batch, the optimizer step compiled; and the evaluation's cost")
-    add("--comm-hooks", action="store_true", help="the step with each --comm-hook side by side: the bytes each "
-        "rank all-reduces per step, and the time above a step without an all-reduce (for preflight.py --bench)")
     add("--compile-backend", default="inductor", help="torch.compile's backend (eager, aot_eager: a dry run "
         "that checks the plumbing, not the compiler's speed)")
-    add("--json", default="", help="write the results here (default: runs/bench/bench-<device>-<ws>x.json)")
+    add("--json", default=None, help="write the results here (None: runs/bench/bench-<device>-<ws>x.json)")
+    for flag, words in SWITCHES.items():
+        add(flag, action="store_true", help=words)
     return p
 
 
@@ -148,7 +142,7 @@ def recipe_config(args, env, **flags) -> config.RunConfig:
 
 def wrap(model, args, env, compile_model: bool, step_log=None, mode=None):
     """train_ddp.wrap_ddp's DDP wrapping (--bucket-cap-mb, --comm-hook), with bench.py's --static-graph, and train()'s
-    compile; `step_log`: the utils.StepLog that times DDP's all-reduce, as train() has it (None: untimed, DDP's own
+    compile; `step_log`: the StepLog that times DDP's all-reduce, as train() has it (None: untimed, DDP's own
     C++ all-reduce without --comm-hook); `mode`: torch.compile's (None: --compile-mode)."""
     if env.distributed:
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
@@ -174,7 +168,7 @@ def bench_images(args) -> du.ImageData:
     return du.make_synthetic(args.train_size or 50_000, train=True)
 
 
-def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
+def bench_data(args, cfg, env, data: du.ImageData) -> du.CheckedData:
     """The data as build_training takes them: --steps whole steps of training images (one timed epoch; fewer
     if `data` holds fewer; whole, so that compile sees one shape), and test images (unused), measured."""
     n = min(args.steps, len(data) // args.batch_size) * args.batch_size
@@ -182,16 +176,16 @@ def bench_data(args, cfg, env, data: du.ImageData) -> utils.CheckedData:
         raise UserError(f"--batch-size {args.batch_size} exceeds the {len(data)} training images")
     train, test = (dataclasses.replace(data, images=data.images[:k], labels=data.labels[:k])
                    for k in (n, 10_000))
-    return utils.CheckedData(train, test, utils.measure_data(train, test), {},
-                             du.loader_device(cfg, env, train, test))
+    return du.CheckedData(train, test, du.measure_data(train, test), {},
+                          du.loader_device(cfg, env, train, test))
 
 
-def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData, on_step_time) -> dict:
+def bench_ours(args, env, cfg, checked: du.CheckedData, data: du.ImageData, on_step_time) -> dict:
     """The recipe's step timed; on_step_time(step_s) as soon as that figure exists (bench.py writes its JSON then:
     a run cut later keeps its headline), then the phases, MFU's FLOPs, memory and an epoch's augmentation."""
     device, accum, cuda = env.device, cfg.accumulation_steps, env.device.type == "cuda"
     training = train_ddp.build_training(cfg, env, checked)
-    step_log = utils.StepLog(0, device)  # the recipe's: the step's phases timed, DDP's all-reduce by its hook
+    step_log = StepLog(0, device)  # the recipe's: the step's phases timed, DDP's all-reduce by its hook
     model = wrap(training.model, args, env, args.compile, step_log=step_log)
     log(f"timing the recipe's step: WRN-{cfg.depth}-{cfg.widen_factor}, batch {cfg.batch_size} over "
         f"{env.world_size} {device.type} process(es){f' in {accum} micro-batches' if accum > 1 else ''}, "
@@ -218,7 +212,7 @@ def bench_ours(args, env, cfg, checked: utils.CheckedData, data: du.ImageData, o
     # One full epoch of augmentation on one device (all of bench_images, this rank's batch size).
     one = dataclasses.replace(cfg, flags={**cfg.flags, "batch_size": cfg.per_rank_batch, "seed": 0},
                               accumulation_steps=1, eval_batch=cfg.per_rank_batch, num_workers=0)
-    everything, _, _ = du.build_loaders(utils.CheckedData(data, checked.test, checked.spec, {}, device), one,
+    everything, _, _ = du.build_loaders(du.CheckedData(data, checked.test, checked.spec, {}, device), one,
                                         dataclasses.replace(env, rank=0, world_size=1))
     everything.batch_sampler.set_epoch(1)
     next(iter(everything))  # warm-up
@@ -402,7 +396,7 @@ def loader_check(args, env) -> dict:
     images = du.ImageData(torch.randint(0, 256, (n, channels, height, width), dtype=torch.uint8),
                           torch.randint(0, data.spec.num_classes, (n,)), num_classes=data.spec.num_classes)
     spec = dataclasses.replace(data.spec, channels=channels, height=height, width=width)
-    checked = utils.CheckedData(images, images, spec, {}, du.loader_device(step_cfg, env, images, images))
+    checked = du.CheckedData(images, images, spec, {}, du.loader_device(step_cfg, env, images, images))
     training = train_ddp.build_training(step_cfg, env, dataclasses.replace(checked, train=None))
     training.train_loader = du.build_loaders(checked, step_cfg, env)[0]  # no transform: the images as they are
     loop = TrainSteps(wrap(training.model, args, env, args.compile), training, step_cfg)
@@ -539,7 +533,8 @@ def main(args):
             if args.compare_original:
                 original = bench_original(args, env, cfg, data, checked)
                 original["images_per_s"] = args.batch_size / original["step_s"]
-                result["original"], result["speedup_vs_original"] = original, ips / original["images_per_s"]
+                result["original"] = original
+                result["speedup_vs_original"] = ours["images_per_s"] / original["images_per_s"]
                 log(f"the original script's pipeline: {original['images_per_s']:.0f} img/s; ours is "
                     f"{result['speedup_vs_original']:.2f}x")
         write()

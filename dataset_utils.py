@@ -280,18 +280,23 @@ def count_classes(train, test) -> int:
 
 class ShardSampler:
     """torch's DistributedSampler (`sampler`, over range(size), drop_last=False): rank r of num_replicas takes
-    positions r, r + num_replicas, ... of the epoch's order (randperm(seed + epoch) when shuffled; set_epoch each
-    epoch). Two additions:
+    positions r, r + num_replicas, ... of the epoch's order (randperm(seed + epoch) when shuffled; set_epoch(epoch)
+    each epoch, as torch's). Two additions:
     - no padding: torch repeats the order's first samples until every rank has as many; here a rank's share ends
       with the data (a sample fewer, or none), so an epoch trains, and a test set scores, every sample once;
-    - a start: set_epoch(epoch, start) yields the epoch's positions from `start` on (a resumed epoch's rest)."""
+    - a start: start_at(start), after set_epoch, yields the epoch's positions from `start` on (a resumed epoch's
+      rest)."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler, self.size, self.num_replicas = sampler, len(sampler.dataset), sampler.num_replicas
         self.virtual_rank, self.start = sampler.rank, 0
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    def set_epoch(self, epoch: int) -> None:
+        """torch's: the epoch's order, all of it (start_at then starts it later)."""
         self.sampler.set_epoch(epoch)
+        self.start_at(0)
+
+    def start_at(self, start: int) -> None:
         # The rest of the epoch is dealt from `start`: this rank's first sample is the one at start + rank, which
         # torch's share of rank (start + rank) % num_replicas holds (the same rank unless a run resumes at a step
         # boundary of another batch size or world size).
@@ -321,12 +326,18 @@ class StepSampler:
         assert batch_size % shards[0].num_replicas == 0, "the global batch splits into equal micro-batches"
         self.epoch, self.start, self.skipped = 0, 0, []
 
-    def set_epoch(self, epoch: int, start: int = 0, skipped: list | None = None) -> None:
-        """Sample `epoch`'s order from position `start`. `skipped`: the epoch's unreadable samples skipped so
-        far (Progress.skipped), a list AgreedLoader adds to."""
+    def set_epoch(self, epoch: int) -> None:
+        """torch's: sample `epoch`'s order, from its start, none of it skipped yet."""
         for shard in self.shards:
-            shard.set_epoch(epoch, start)
-        self.epoch, self.start, self.skipped = epoch, start, skipped if skipped is not None else []
+            shard.set_epoch(epoch)
+        self.epoch, self.start, self.skipped = epoch, 0, []
+
+    def start_at(self, position: int, skipped: list | None = None) -> None:
+        """What a resume adds, after set_epoch: sample the epoch from `position` on (0: all of it). `skipped`: the
+        epoch's unreadable samples skipped so far (Progress.skipped), a list AgreedLoader adds to."""
+        for shard in self.shards:
+            shard.start_at(position)
+        self.start, self.skipped = position, skipped if skipped is not None else []
 
     def step_split(self, position: int, skipped=()) -> tuple:
         """(samples, this rank's micro-batch sizes) of the global step at `position` (the epoch's last may be short),
@@ -419,8 +430,8 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     """(train, test, val) loaders of `data` (CheckedData) for this rank, each image through its split's transform and
     each training micro-batch through the batch one (`transforms`: train_ddp.build_transforms'). train (None for
     --evaluate) yields its share of each global batch as cfg.accumulation_steps micro-batches (call
-    batch_sampler.set_epoch each epoch, step_split per batch); test and val (None without --val-size) score each
-    image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
+    batch_sampler.set_epoch and start_at each epoch, step_split per batch); test and val (None without --val-size)
+    score each image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
     cfg.skip_bad_samples unreadable samples per epoch."""
     from machinery.transform_checks import check_transforms, where_transform_runs, workers_take
     train_tf, test_tf, batch_tf = transforms
@@ -441,7 +452,7 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     seed = cfg.seed
     # torch's DistributedSampler deals each epoch's order, randperm(seed + epoch), to world_size x accumulation_steps
     # virtual ranks: micro-step k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train on
-    # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (the sampler's) each epoch.
+    # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (torch's) and start_at each epoch.
     virtual_ranks = env.world_size * cfg.accumulation_steps
     shards = [ShardSampler(DistributedSampler(range(len(data.train)), num_replicas=virtual_ranks,
                                               rank=env.rank + k * env.world_size, shuffle=True, seed=seed))

@@ -30,8 +30,16 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 import dataset_utils
 import train_utils as utils
 from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config  # the flags, the run's config
+from machinery.cli import run_cli
+from machinery.errors import UserError, all_gather, leave_on_user_error
+from machinery.launch import DistEnv, host_name, read_launcher, rendezvous
+from machinery.lock import lock_out_dir
+from machinery.output import log
+from machinery.records import RunFiles
+from machinery.signals import STOP_CHECK_EVERY
+from machinery.timing import StepLog
 from model import WideResNet
-from transforms import CropFlip  # the default augmentation, which the device loader batches
+from transforms import CropFlip, crop_padding  # the default augmentation, which the device loader batches
 
 
 def build_model(cfg, data) -> nn.Module:
@@ -49,7 +57,7 @@ def model_config(cfg, data) -> dict:
 def load_data(cfg, env, train: bool = True):
     """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
     that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
-    not asked for. The rest follows from what this returns: see train_utils.measure_data."""
+    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
     # ADAPT (2/6): your data here: ImageData (uint8 N x C x H x W images, int64 labels) when they fit in memory,
     # else a Dataset of (uint8 C x H x W, label). Image files as root/<class>/<image>: dataset_utils.image_folder,
     # with folder_classes and mean_std (the README's worked examples; docs/adapt.md).
@@ -69,7 +77,7 @@ def build_transforms(cfg, data) -> tuple:
     # v2.RandomHorizontalFlip()], test [v2.Resize(256), v2.CenterCrop(224)]. A pipeline other than the default runs
     # per image (in DataLoader workers, or on the GPU with --loader gpu); the default is batched on the GPU.
     # The default, the WRN paper's: zero-pad an eighth of each side (4 for 32), crop back, mirror.
-    pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
+    pad_y, pad_x = crop_padding(data.height, data.width)
     crop_flip = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
     train = [*crop_flip]
     if cfg.auto_augment == "ta_wide":
@@ -101,7 +109,7 @@ class Training:
 
 def build_training(cfg, env, data) -> Training:
     """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(),
-    --evaluate and bench.py. `data`: utils.load_checked_data's (its train split may be None)."""
+    --evaluate and bench.py. `data`: dataset_utils.load_checked_data's (its train split may be None)."""
     device = env.device
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg, data.spec)
@@ -121,8 +129,8 @@ def build_training(cfg, env, data) -> Training:
     loss_fn = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing, reduction="sum")  # train_step averages
     torch.manual_seed(cfg.seed + env.rank)  # dropout then differs across ranks, as it should
     # The loaders' shards are torch's DistributedSampler's (dataset_utils.ShardSampler: padding left off, a resumed
-    # epoch's start): training, one per virtual rank (a micro-step of this rank), a new order each epoch (set_epoch);
-    # test, unshuffled: rank r scores r, r + W, ..., each image once.
+    # epoch's start, start_at): training, one per virtual rank (a micro-step of this rank), a new order each epoch
+    # (set_epoch, torch's); test, unshuffled: rank r scores r, r + W, ..., each image once.
     train_loader, test_loader, val_loader = dataset_utils.build_loaders(data, cfg, env,
                                                                         transforms=build_transforms(cfg, data.spec))
     normalize = dataset_utils.Normalize(data.spec.mean, data.spec.std, device, channels_last=True)
@@ -187,7 +195,10 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
-    loader.batch_sampler.set_epoch(epoch, start=progress.position, skipped=progress.skipped)  # resumed: rest
+    loader.batch_sampler.set_epoch(epoch)  # torch's DistributedSampler idiom: a new order each epoch
+    # What a resume adds: the epoch from progress.position on (0 unless it was checkpointed mid-way), with the
+    # unreadable samples it skipped so far (progress.skipped, which the loader adds to)
+    loader.batch_sampler.start_at(progress.position, skipped=progress.skipped)
     # The epoch's sums (utils.EPOCH_SUMS). A resumed epoch's sums so far count once: on rank 0.
     rank = dist.get_rank() if dist.is_initialized() else 0
     sums = torch.tensor(progress.sums if rank == 0 else [0.0] * len(progress.sums), dtype=torch.float64,
@@ -212,7 +223,7 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
         # The progress line, when due, reads the mean loss: sums[:2], the loss over finite samples and their count.
         step_log.update(epoch, progress.step, steps_per_epoch, done, sums[:2], epoch_start)
         checkpoint_due = cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0
-        if progress.step % utils.STOP_CHECK_EVERY == 0 or checkpoint_due:  # collectives: every rank comes
+        if progress.step % STOP_CHECK_EVERY == 0 or checkpoint_due:  # collectives: every rank comes
             stopping = checks.check(sums)  # unreadable samples, a NaN loss, a stop request: on any rank
             if stopping or checkpoint_due:
                 progress.elapsed_s = time.perf_counter() - epoch_start
@@ -276,7 +287,7 @@ def train(cfg, env, found, lock) -> int:
     # ------------------------------------------------------------------ data, then the model and its training
     if found.finished:  # a finished run rerun with the same command (a requeue, say): said, nothing to train
         return 0
-    data = utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
+    data = dataset_utils.load_checked_data(load_data, cfg, env, found)  # the checkpoint's data, if resuming
     utils.log_start(cfg, env, data, found)  # the original's first lines, the LR, the data
     training = build_training(cfg, env, data)
     model = training.model  # the bare model: checkpoints hold it; evaluate() scores it, or its weight EMA
@@ -290,8 +301,8 @@ def train(cfg, env, found, lock) -> int:
                                   optional={"model_ema": (training.ema, "the average starts from the weights")})
     progress = checkpoint.restore(found)  # where training stands: epoch 0, or the checkpoint's place
     # Progress lines with the run's ETA, and where each rank's step time goes (--profile: traces).
-    step_log = utils.StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
-                             epochs=cfg.epochs)
+    step_log = StepLog(cfg.log_every, env.device, profile_dir=cfg.profile and f"{cfg.out_dir}/profile",
+                       epochs=cfg.epochs)
     # ADAPT (5/6): a model whose forward in training reads its buffers needs them in sync: drop wrap_ddp's
     # NO_FORWARD_BUFFER_SYNC (DDP then broadcasts rank 0's before each forward).
     if env.distributed:
@@ -300,7 +311,7 @@ def train(cfg, env, found, lock) -> int:
         model, eval_model = (torch.compile(m, dynamic=False, mode=cfg.compile_mode) for m in (model, eval_model))
 
     # ------------------------------------------------------------------ train and evaluate, epoch by epoch
-    run_files = utils.RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
+    run_files = RunFiles(cfg, env, data, history=progress.history, lock=lock)  # config.json, ...
     # SIGUSR1/SIGTERM/Ctrl-C and the stop file, caught while the loop runs; a NaN loss; unreadable samples
     with utils.RunChecks(training.train_loader, env.device, allow_nonfinite=training.scaler.is_enabled()) as checks:
         # the epochs left, the first maybe begun; none once early stopping ended the run (a requeue after it)
@@ -361,7 +372,7 @@ def wrap_ddp(model, cfg, env, step_log) -> DDP:
 
 def evaluate_checkpoint(cfg, env, found) -> int:
     """--evaluate: score the checkpoint on its test set, with the model and data its config names."""
-    data = utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
+    data = dataset_utils.load_checked_data(load_data, cfg, env, found, train=False)  # its spec: the checkpoint's
     training = build_training(cfg, env, data)
     checkpoint = utils.Checkpoint(cfg, env, data, model_config=model_config(cfg, data.spec), model=training.model,
                                   optional={"model_ema": (training.ema, "the model's weights are scored")})  # if any
@@ -369,30 +380,30 @@ def evaluate_checkpoint(cfg, env, found) -> int:
     scores_ema = training.ema is not None and bool(training.ema.n_averaged)
     model = training.ema.module if scores_ema else training.model
     model = torch.compile(model, dynamic=False, mode=cfg.compile_mode) if cfg.compile else model
-    utils.log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
-              f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with "
-              f"{env.world_size} process{'es' if env.world_size > 1 else ''}")
+    log(f"Evaluating {found.path} ({found.describe_model()}{', its weight EMA' if scores_ema else ''}, "
+        f"{progress.epoch} of {cfg.epochs} epochs trained) on {len(data.test)} test images with "
+        f"{env.world_size} process{'es' if env.world_size > 1 else ''}")
     metrics = evaluate(model, training.test_loader, normalize=training.normalize, amp_dtype=cfg.amp_dtype,
                        expected_count=len(data.test), tta=cfg.tta)
-    utils.RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path,
-                                    top5=data.spec.num_classes > 5)  # and eval.json
+    RunFiles.write_evaluation(metrics, cfg=cfg, env=env, epoch=progress.epoch, path=found.path,
+                              top5=data.spec.num_classes > 5)  # and eval.json
     return 0
 
 
-def init_distributed(device: str, timeout_s: float) -> utils.DistEnv:
+def init_distributed(device: str, timeout_s: float) -> DistEnv:
     """Who this process is (rank, local_rank, world_size: torchrun's variables, which srun's tasks adopt),
     its device, and the process group the ranks meet in: NCCL with one GPU per LOCAL_RANK, or gloo on CPUs.
     A plain `python train_ddp.py` is one process, in no group."""
-    env = utils.read_launcher(device)
+    env = read_launcher(device)
     if "RANK" in os.environ:  # a launcher started this process as one of a group
         if env.cuda:
             torch.cuda.set_device(env.device)  # before the group, or every rank piles onto GPU 0
         # A collective that waits longer than `timeout` fails, with a line naming the ranks that never came.
-        with utils.rendezvous(env, timeout_s) as store:  # a failed meeting: one line, not a traceback
+        with rendezvous(env, timeout_s) as store:  # a failed meeting: one line, not a traceback
             dist.init_process_group(backend="nccl" if env.cuda else "gloo",
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=env.device if env.cuda else None, **store)
-        env.nodes = len(set(utils.all_gather(utils.host_name())))  # the ranks count their hosts
+        env.nodes = len(set(all_gather(host_name())))  # the ranks count their hosts
     return env
 
 
@@ -415,14 +426,14 @@ def main(args, explicit=frozenset()) -> int:
     try:
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
         check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
-        lock = None if args.evaluate else utils.lock_out_dir(args.out_dir, env)  # one run per out-dir
+        lock = None if args.evaluate else lock_out_dir(args.out_dir, env)  # one run per out-dir
         # the checkpoint to continue, and the flags it rules
         found = utils.find_checkpoint(args, explicit, env, rules=RESUME_RULES)
         cfg = make_config(args, env, found)  # every flag and what the world makes of them, computed once
         choose_kernels(deterministic=cfg.deterministic)
         return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)
-    except utils.UserError as e:
-        return utils.leave_on_user_error(e)
+    except UserError as e:
+        return leave_on_user_error(e)
     finally:  # the lock, then the process group: every rank, whatever happened
         if lock:
             lock.release()
@@ -436,4 +447,4 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(utils.run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line
+    sys.exit(run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line

@@ -16,26 +16,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import RunConfig, get_args_parser
-from dataset_utils import CheckedData, load_checked_data, measure_data
 from machinery.checkpoints import check_room, is_best_epoch, load_latest_checkpoint, save_checkpoint
-from machinery.cli import run_cli
-from machinery.errors import (EXIT_STOPPED, UserError, WriteError, agree_on_error, all_gather, all_reduce_max,
-                              call_and_agree, leave_on_user_error)
+from machinery.errors import UserError, agree_on_error, all_gather, all_reduce_max, call_and_agree
 from machinery.files import describe_position, try_write
-from machinery.launch import DistEnv, host_name, read_launcher, rendezvous
-from machinery.lock import lock_out_dir
+from machinery.launch import DistEnv
 from machinery.output import log
-from machinery.records import RunFiles
-from machinery.signals import STOP_CHECK_EVERY, StopRequest
-from machinery.timing import StepLog
+from machinery.signals import StopRequest
 
-__all__ = [  # what the recipe calls, from here or from the machinery
-    "run_cli", "read_launcher", "rendezvous", "all_gather", "host_name", "lock_out_dir", "find_checkpoint",
-    "load_checked_data", "measure_data", "CheckedData",
-    "UserError", "WriteError", "leave_on_user_error", "EXIT_STOPPED", "log", "log_start",
-    "lr_factor", "step_stats", "LossCheck", "RunChecks", "check_parameters_used",
-    "NO_FORWARD_BUFFER_SYNC", "comm_hook", "STOP_CHECK_EVERY",
-    "StopRequest", "StepLog", "Progress", "Checkpoint", "RunFiles", "DistEnv", "Found"]
+__all__ = [  # what this file defines for the recipe, in its order (the recipe imports machinery's names from there)
+    "lr_factor", "NO_FORWARD_BUFFER_SYNC", "comm_hook", "step_stats", "LossCheck", "check_parameters_used",
+    "RunChecks", "Progress", "Found", "find_checkpoint", "Checkpoint", "log_start"]
 
 
 # ------------------------------------------------------------------------- the LR schedule

@@ -85,20 +85,13 @@ def describe_preset(preset: dict) -> str:
 
 
 def parse_once(parser, argv) -> tuple:
-    """(flags, dests given) from one parse: each dest starts as a marker, left alone unless given, then defaulted."""
-    unset = object()
-    actions = [a for a in parser._actions
-               if a.dest is not argparse.SUPPRESS and a.default is not argparse.SUPPRESS]
-    args = parser.parse_args(argv, namespace=argparse.Namespace(**{a.dest: unset for a in actions}))
-    given = set()
-    for a in actions:
-        if getattr(args, a.dest) is unset:
-            default = a.default
-            if isinstance(default, str) and a.type is not None:  # as argparse converts a string default
-                default = a.type(default)
-            setattr(args, a.dest, default)
-        else:
-            given.add(a.dest)
+    """(flags, dests given) from one parse: each dest starts as a marker, left alone unless given, then defaulted.
+    The dests and their defaults are what the parser makes of no flags at all."""
+    unset, defaults = object(), vars(parser.parse_args([]))
+    args = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(defaults, unset)))
+    given = {dest for dest in defaults if getattr(args, dest) is not unset}
+    for dest in defaults.keys() - given:
+        setattr(args, dest, defaults[dest])
     return args, given
 
 

@@ -96,7 +96,8 @@ def refuse_flags(parser, message: str):
     same command line and leaves with it), naming the flags a mistyped one may have meant; exit status 2.
     Unknown flags read `unknown flag --batchsize; did you mean --batch-size?`; other errors keep argparse's
     words."""
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    # The long flags the usage line names (argparse keeps its list private), and --help, which it names -h.
+    known = re.findall(r"(?<![\w-])--\w[\w-]*", parser.format_usage()) + ["--help"] * parser.add_help
     _, found, extra = message.partition("unrecognized arguments:")
     extra = extra.split() if found else []
     unknown = list(dict.fromkeys(f for f in (a.split("=", 1)[0] for a in extra if a.startswith("--"))

@@ -236,7 +236,8 @@ def loaders_both_ways(data, *, rank, device, batch_size, eval_batch, epoch, star
                   seed=5, workers=0, pin_memory=False)
     pairs = build_loaders(data, data, **common), build_loaders(data, data, **common, device=device)
     for train, _ in pairs:
-        train.batch_sampler.set_epoch(epoch, start=start)
+        train.batch_sampler.set_epoch(epoch)
+        train.batch_sampler.start_at(start)
     return pairs
 
 

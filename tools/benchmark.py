@@ -12,7 +12,7 @@ import torch
 import train_ddp
 import train_utils as utils
 from machinery.errors import UserError
-from machinery.timing import Clock
+from machinery.timing import Clock, StepLog
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks, FLOP/s, from NVIDIA's data sheets.
 PEAK_FLOPS = {"H200": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
@@ -66,7 +66,7 @@ class TrainSteps:
         self.checks = checks or utils.RunChecks(training.train_loader, training.normalize.scale.device,
                                                 allow_nonfinite=training.scaler.is_enabled())
         # The recipe's: no progress lines (0), each step's phases timed, as in training.
-        self.step_log = step_log or utils.StepLog(0, training.normalize.scale.device)
+        self.step_log = step_log or StepLog(0, training.normalize.scale.device)
         self.steps = self.epoch = 0
 
     def run(self, n: int) -> None:
@@ -114,7 +114,7 @@ class Marked:
         return self.__getattr__("__call__")(*args, **kwargs)
 
 
-class MarkedStepLog(utils.StepLog):
+class MarkedStepLog(StepLog):
     """The recipe's StepLog (no progress lines), with a timer mark after each step's progress update ("step") and
     each epoch's start ("epoch")."""
 

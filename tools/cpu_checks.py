@@ -16,11 +16,11 @@ from torch.utils.data import DistributedSampler
 
 import dataset_utils as du
 import train_ddp
-import train_utils as utils
 import transforms
 from tools.benchmark import TrainSteps
 from tools.original_script import original_transform
 from machinery.output import log
+from machinery.timing import StepLog
 
 WARMUP_ROUNDS = 24  # untimed rounds of the loop-overhead check: one in each order of its four loops
 
@@ -159,7 +159,7 @@ def loop_overhead_check(args, cfg, env) -> dict:
     cancel: the median of the rounds, with a 95% interval, says whether the overhead is within 3%. The
     first WARMUP_ROUNDS are not timed."""
     data = du.make_synthetic(cfg.batch_size, train=True)  # an epoch of one step
-    checked = utils.CheckedData(data, data, utils.measure_data(data, data), {}, env.device)
+    checked = du.CheckedData(data, data, du.measure_data(data, data), {}, env.device)
     training = train_ddp.build_training(cfg, env, checked)  # the device loader, on the CPU
     model, optimizer, loader = training.model, training.optimizer, training.train_loader
     normalize = training.normalize
@@ -185,7 +185,7 @@ def loop_overhead_check(args, cfg, env) -> dict:
                                                   train_loader=ReadyLoader(ready, cfg.batch_size)), cfg)
     recipe = TrainSteps(model, training, cfg)
     untimed = TrainSteps(model, training, cfg,
-                          step_log=utils.StepLog(0, normalize.scale.device, timed=False))
+                          step_log=StepLog(0, normalize.scale.device, timed=False))
 
     def data_path(n):
         for epoch in range(n):

@@ -30,7 +30,9 @@ def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
             # --train-size: fewer synthetic images than CIFAR-100's 50,000, the augmentation epoch's too
             proc = launch(["--depth", 10, "--widen-factor", 1, "--batch-size", 64, "--steps", 4,
                            "--warmup", 2, "--device", "cpu", "--json", path, "--static-graph",
-                           "--bucket-cap-mb", 1, "--train-size", 4096], nproc=2, script="bench.py")
+                           "--bucket-cap-mb", 1, "--train-size", 4096, "--compare-original", "--workers", 1],
+                          nproc=2, script="bench.py")
+            assert re.search(r"^the original script's pipeline: \d+ img/s; ours is [\d.]+x$", proc.stdout, re.M)
         assert re.search(r"^ours: \d+ img/s, \d+ img/s per cpu, step [\d.]+ ms ", proc.stdout, re.M)
         assert re.search(r"^ours, phases .*: data [\d.]+ ms, fwd\+bwd [\d.]+ ms, optimizer [\d.]+ ms, "
                          r"exposed comm "
@@ -48,6 +50,8 @@ def test_benchmark_runs_and_scaling_plot(tmp_path, bench_one_process):
     # WRN-10-1: 12.5M multiply-adds forward (2 FLOPs each), and the backward pass costs about twice that.
     assert results[0]["ours"]["flops_per_image"] == pytest.approx(3 * 2 * 12.5e6, rel=0.05)
     assert results[0]["ours"]["mfu"] is None  # no peak for CPUs
+    assert results[1]["speedup_vs_original"] == pytest.approx(results[1]["ours"]["images_per_s"]
+                                                              / results[1]["original"]["images_per_s"])
     require_package("matplotlib")
     import plot
     fig = plot.plot_scaling(paths, str(tmp_path))

@@ -27,7 +27,8 @@ def device_loaders(data, device, rank, augment=None):
     common = dict(batch_size=64, rank=rank, world_size=2, accum_steps=1, eval_batch=32, seed=5, workers=0,
                   pin_memory=False, augment=augment)
     train, test = build_loaders(data, data, **common, device=torch.device(device))
-    train.batch_sampler.set_epoch(3, start=64)
+    train.batch_sampler.set_epoch(3)
+    train.batch_sampler.start_at(64)
     return train, test
 
 

@@ -13,17 +13,18 @@ import torch.nn as nn
 
 sys.path.insert(0, sys.argv[1])  # the project
 import train_ddp  # noqa: E402
-import train_utils as utils  # noqa: E402
 from config import get_args_parser, make_config  # noqa: E402
+from machinery.launch import read_launcher  # noqa: E402
+from machinery.timing import StepLog  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-env = utils.read_launcher("cpu")
+env = read_launcher("cpu")
 cfg = make_config(get_args_parser().parse_args(["--comm-hook", "fp16", "--device", "cpu"]), env)
 torch.manual_seed(0)
 net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
 replica = copy.deepcopy(net)
-ddp = train_ddp.wrap_ddp(net, cfg, env, utils.StepLog(0, torch.device("cpu"), timed=False))
+ddp = train_ddp.wrap_ddp(net, cfg, env, StepLog(0, torch.device("cpu"), timed=False))
 torch.manual_seed(1 + rank)  # a batch of this rank's own
 x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
 nn.functional.cross_entropy(replica(x), y).backward()

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 import train_ddp  # noqa: E402
-import train_utils  # noqa: E402
+from machinery.timing import StepLog  # noqa: E402
 from train_ddp import init_distributed  # noqa: E402
 
 def step_and_save():
@@ -28,7 +28,7 @@ def step_and_save():
     loader, _ = support.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size,
                                       accum_steps=1, eval_batch=batch, seed=0, workers=0, pin_memory=False)
     torch.manual_seed(0)
-    model = train_ddp.build_model(args, train_utils.measure_data(data, data))
+    model = train_ddp.build_model(args, du.measure_data(data, data))
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.eval()  # train_step leaves the mode to its caller
@@ -45,7 +45,7 @@ def step_and_save():
     assert micro_sizes == [len(labels)]
     training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
     cfg = SimpleNamespace(amp_dtype=None, clip_grad_norm=None)
-    step_log = train_utils.StepLog(0, normalize.scale.device)
+    step_log = StepLog(0, normalize.scale.device)
     train_ddp.train_step(model, images, labels, split=(step_samples, micro_sizes), training=training, cfg=cfg,
                          step_log=step_log)
     if env.is_main:

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 import train_ddp  # noqa: E402
-import train_utils  # noqa: E402
 from machinery.launch import read_dist_env  # noqa: E402
+from machinery.timing import StepLog  # noqa: E402
 
 def step_and_save():
     """The step; its DDP model lives only in here, so that it is gone before the process group is."""
@@ -41,7 +41,7 @@ def step_and_save():
                                       accum_steps=1, eval_batch=batch, seed=0, workers=0, pin_memory=False,
                                       device=device)
     torch.manual_seed(0)
-    model = train_ddp.build_model(args, train_utils.measure_data(data, data))
+    model = train_ddp.build_model(args, du.measure_data(data, data))
     if sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device).train()
@@ -56,7 +56,7 @@ def step_and_save():
         sum_loss = torch.nn.CrossEntropyLoss(reduction="sum")  # what train_step takes
         training = train_ddp.Training(model, optimizer, scaler, sum_loss, normalize, loader, None)
         cfg = SimpleNamespace(amp_dtype=None, clip_grad_norm=None)
-        step_log = train_utils.StepLog(0, normalize.scale.device)
+        step_log = StepLog(0, normalize.scale.device)
         train_ddp.train_step(model, images, labels, split=(batch, [len(labels)]), training=training, cfg=cfg,
                              step_log=step_log)
         break

@@ -13,7 +13,7 @@ import dataset_utils as du
 import train_ddp
 from machinery.errors import UserError
 from machinery.transform_checks import check_transforms
-from transforms import CropFlip
+from transforms import CropFlip, crop_padding
 
 FLAGS = argparse.Namespace(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0)
 
@@ -94,9 +94,10 @@ def test_batched_device_augmentation_reaches_all_162_views_uniformly():
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 24, 40), (2, 9, 13), (3, 5, 5)])
 def test_the_default_augmentation_scales_with_the_image_on_both_loaders(shape):
     """Zero padding of an eighth of each side (at least 1); the per-image transform (DataLoader workers) and the
-    batched crop and flip (device loader), which build_transforms marks it for (CropFlip), each reach every crop offset and flip."""
+    batched crop and flip (device loader), which build_transforms marks it for (CropFlip), each reach every crop
+    offset and flip."""
     c, h, w = shape
-    pad = du.crop_padding(h, w)
+    pad = crop_padding(h, w)
     assert pad == (max(1, h // 8), max(1, w // 8))
     g = torch.Generator().manual_seed(2)
     img = torch.randint(1, 256, (1, c, h, w), generator=g, dtype=torch.uint8)

@@ -23,8 +23,9 @@ from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEY
                                    save_checkpoint, state_bytes)
 from machinery.resume import check_format, fingerprint
 from machinery.errors import UserError
+from machinery.launch import DistEnv
 from config import make_config
-from train_utils import Checkpoint, DistEnv, Found, Progress
+from train_utils import Checkpoint, Found, Progress
 
 
 def load_checkpoint(path, device=torch.device("cpu")):

@@ -69,8 +69,9 @@ def test_gpu_and_torch_loaders_yield_the_same_samples_and_per_image_transforms_t
             torch_train, torch_test = support.build_loaders(data, data, **common)
             dev_train, dev_test = support.build_loaders(data, data, **common, device=torch.device("cpu"))
             for epoch in (1, 2):
-                torch_train.batch_sampler.set_epoch(epoch, start=start)
-                dev_train.batch_sampler.set_epoch(epoch, start=start)
+                for sampler in (torch_train.batch_sampler, dev_train.batch_sampler):
+                    sampler.set_epoch(epoch)
+                    sampler.start_at(start)
                 a, b = list(torch_train), list(dev_train)
                 assert len(a) == len(b) == len(dev_train) == len(torch_train)
                 for (xa, ya), (xb, yb) in zip(a, b):

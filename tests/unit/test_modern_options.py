@@ -59,7 +59,8 @@ def test_both_loaders_give_the_same_augmented_batches():
         support.build_loaders(data, data, **common),
         support.build_loaders(data, data, **common, device=torch.device("cpu")))
     for loader in (torch_train, dev_train):
-        loader.batch_sampler.set_epoch(3, start=8)
+        loader.batch_sampler.set_epoch(3)
+        loader.batch_sampler.start_at(8)
     batches = list(zip(torch_train, dev_train))
     assert len(batches) == 4
     for (a, la), (b, lb) in batches:

@@ -56,10 +56,35 @@ def test_the_samplers_deal_exactly_the_order_of_the_sampler_before_them():
         for rank in range(ws):
             new = train_sampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=5)
             for epoch in (1, 2):
-                new.set_epoch(epoch, start=start)
+                new.set_epoch(epoch)
+                new.start_at(start)
                 old = list(steps_of_92a1a6a(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum,
                                             seed=5, epoch=epoch, start=start))
                 assert list(new) == old and len(new) == len(old), (n, ws, accum, batch, start, rank, epoch)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("n,ws,accum,batch,start", [(601, 2, 2, 64, 192), (577, 3, 1, 96, 90), (600, 4, 3, 96, 288),
+                                                    (601, 1, 1, 16, 0)])
+def test_set_epoch_then_start_at_deals_what_set_epoch_with_a_start_dealt_and_the_next_epoch_starts_afresh(
+        n, ws, accum, batch, start):
+    """The resume's own call: set_epoch(epoch) (torch's) then start_at(position, skipped=...) deals exactly the
+    positions set_epoch(epoch, start=position, skipped=...) dealt until it was split in two (the 92a1a6a order,
+    which the test above holds it to), and keeps the very list of skipped samples it is given (the loader adds
+    to Progress.skipped through it); the next epoch's set_epoch alone deals all of that epoch, none skipped."""
+    for rank in range(ws):
+        s = train_sampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=2)
+        skipped = ["sample 3 (unreadable)"]
+        s.set_epoch(1)
+        s.start_at(start, skipped=skipped)
+        before = list(steps_of_92a1a6a(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=2,
+                                       epoch=1, start=start))
+        assert list(s) == before and len(s) == len(before) and s.skipped is skipped
+        assert [sum(s.step_split(start + k * batch)[1]) for k in range(len(s))] == [len(keys) for keys in before]
+        s.set_epoch(2)
+        whole = list(steps_of_92a1a6a(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=2,
+                                      epoch=2, start=0))
+        assert list(s) == whole and len(s) == len(whole) and s.skipped == [] and s.skipped is not skipped
 
 
 @pytest.mark.parametrize("n,ws", [(577, 2), (600, 4), (601, 3), (5, 8), (0, 2)])
@@ -85,7 +110,8 @@ def test_sampler_resumed_on_another_world_size_or_batch_sees_the_rest_of_the_epo
         shards, samplers = [], []
         for rank in range(ws):
             s = train_sampler(n, batch_size=batch, rank=rank, world_size=ws, accum_steps=accum, seed=3)
-            s.set_epoch(7, start=begin)
+            s.set_epoch(7)
+            s.start_at(begin)
             steps = list(s)
             assert len(steps) == len(s)
             shards.append(steps[:done_steps] if begin == 0 else steps)
@@ -119,7 +145,8 @@ def test_the_sampler_s_keys_per_step_agree_with_step_split_for_every_shape_of_ru
                     for r in range(ws)]
         per_rank = []
         for s in samplers:
-            s.set_epoch(4, start=start)
+            s.set_epoch(4)
+            s.start_at(start)
             per_rank.append(list(s))
         case = (n, batch, ws, accum, start)
         assert (len({len(steps) for steps in per_rank}) == 1
