@@ -49,7 +49,6 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import config
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
@@ -58,7 +57,7 @@ from machinery.files import write_json
 from machinery.launch import cpus_per_rank
 from machinery.output import log
 from machinery.timing import Clock, StepLog
-from machinery.tool_exit import run_tool
+from tools.tool_exit import run_tool
 from tools.benchmark import TrainSteps, cpu_name, flops_per_image, peak_flops, time_phases
 from tools.comm_bench import comm_hooks
 from tools.cpu_checks import cpu_checks, report_cpu_checks
@@ -91,9 +90,9 @@ SWITCHES = {
 
 
 def get_args_parser(loader_check: bool = False):
-    """train_ddp.py's flags (config.py's parser), with BENCH_DEFAULTS unless for --loader-check (the run's
+    """train_ddp.py's flags (train_utils.get_args_parser), with BENCH_DEFAULTS unless for --loader-check (the run's
     flags, with train_ddp.py's defaults), and bench.py's own after them."""
-    p = config.get_args_parser()
+    p = utils.get_args_parser()
     p.description = __doc__.split("\n")[0]
     p.epilog = ("train_ddp.py's flags make the step timed as they make training's, on synthetic data in "
                 "memory (--dataset synthetic only; --train-size: how many, 0 for CIFAR-100's 50,000): "
@@ -133,11 +132,11 @@ def resolve_shape(args) -> None:
 def recipe_config(args, env, **flags) -> config.RunConfig:
     """The recipe's config (config.make_config, a collective) from train_ddp.py's flags in `args` and `flags`
     over them, on synthetic data, without train_ddp.py's --profile; checked as train_ddp.py checks them."""
-    recipe = config.get_args_parser().parse_args([])
+    recipe = utils.get_args_parser().parse_args([])
     vars(recipe).update({**{name: getattr(args, name) for name in vars(recipe)}, "dataset": "synthetic",
                          "profile": False, **flags})
-    config.check_args(recipe, env.world_size, env.device)
-    return config.make_config(recipe, env)
+    utils.check_args(recipe, env.world_size, env.device)
+    return utils.make_config(recipe, env)
 
 
 def wrap(model, args, env, compile_model: bool, step_log=None, mode=None):
@@ -547,4 +546,4 @@ def main(args):
 if __name__ == "__main__":
     # SIGTERM and Ctrl-C: out at once in one line; bad input: one line; --recipe NAME as in train_ddp.py.
     # --loader-check reads the run's data with the run's flags: train_ddp.py's defaults, not bench.py's
-    sys.exit(run_tool(main, get_args_parser(loader_check="--loader-check" in sys.argv), config.RECIPES))
+    sys.exit(run_tool(main, get_args_parser(loader_check="--loader-check" in sys.argv), utils.RECIPES))

@@ -2,8 +2,10 @@
 learnable synthetic data: load_split; image folders: image_folder), the DDP samplers (torch's DistributedSampler,
 unpadded, ShardSampler; a step's micro-batches, StepSampler), the loaders. Images stay uint8 until they reach the
 device, where `Normalize` runs: the loader workers only read and augment them (it matters on clusters with few cores
-per GPU). Each image's augmentation draws from a seed of (seed, epoch, sample index) (transforms.py): the same for any
-number of ranks or workers, resumed or not."""
+per GPU). Each image's augmentation draws from a seed of (seed, epoch, sample index), each micro-batch's mixing from
+(seed, epoch, step, virtual rank), whatever op draws them: the same for any number of ranks (W ranks x A micro-steps
+as W x A ranks) or workers, resumed or not. The ops are torchvision's (train_ddp.build_transforms); the one kept here
+is the device loader's batched crop and flip (CropFlip), which no torchvision op does per image within a batch."""
 import functools
 import itertools
 import numbers
@@ -14,7 +16,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, de
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from transforms import CropFlip, Mix, crop_flip_batch, crop_padding, image_seed, mix64
+from machinery.hashing import mix64, seeded  # seeded(transform, inputs, seed): torch's generator seeded
+
 
 # CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
@@ -366,10 +369,87 @@ def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
 
 
+# ----------------------------------------------- the augmentation's seeds, and the device loader's crop and flip
+
+_SALT_MIX = 3  # the micro-batch's seed, apart from the images'
+
+
+def image_seed(seed: int, epoch: int, idx: int) -> int:
+    """The seed of training image `idx`'s draws in `epoch`."""
+    return mix64(seed, epoch, idx)
+
+
+class Mix:
+    """`batch_transform` (torchvision's MixUp, CutMix or a RandomChoice of them) on each micro-batch of a step, drawn
+    from (seed, epoch, the step's first position in the epoch's order, the micro-batch's virtual rank r + k x W): the
+    micro-batches are those of W x A ranks (StepSampler), so is their mixing. Images become float (0-255), labels
+    soft targets (N, classes)."""
+
+    def __init__(self, batch_transform, *, num_classes: int, seed: int, rank: int, world_size: int):
+        self.batch_transform, self.num_classes = batch_transform, num_classes
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, *, epoch: int, position: int,
+                 micro_sizes: list) -> tuple:
+        out_images, out_labels = [], []
+        for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
+            key = mix64(mix64(self.seed, epoch, position + self.rank + k * self.world_size), _SALT_MIX, 0)
+            x, y = (seeded(self.batch_transform, (x.float(), y), key) if len(y)  # an empty micro-batch: as it is
+                    else (x.float(), y.new_zeros(0, self.num_classes, dtype=torch.float32)))
+            out_images.append(x)
+            out_labels.append(y)
+        return torch.cat(out_images), torch.cat(out_labels)
+
+    def mix_step(self, loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
+        """The training loader's `step`-th batch of this pass, mixed within each micro-batch (the loader's
+        step_split: unread samples left out)."""
+        sampler = loader.batch_sampler
+        position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
+        _, micro_sizes = loader.step_split(position)
+        return self(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
+
+
+# The device loader's crop and flip, for the default training transform (zero-pad an eighth of each side, crop back,
+# mirror on one bit), which build_transforms returns as a CropFlip: the same views torchvision's RandomCrop and
+# RandomHorizontalFlip give, drawn from the hash.
+
+class CropFlip:
+    """The default training transform, chosen in train_ddp.build_transforms: the device loader runs it batched on the
+    GPU (crop_flip_batch, `pad` rows and columns each side, images of `size`); DataLoader workers run `per_image`
+    (torchvision's RandomCrop and RandomHorizontalFlip) on each image."""
+
+    def __init__(self, per_image, *, pad: tuple, size: tuple):
+        self.per_image, self.pad, self.size = per_image, tuple(pad), tuple(size)
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self.per_image(image)
+
+
+def crop_padding(height: int, width: int) -> tuple:
+    """The random crop's zero padding (rows, columns) on each side for an image of this size (4 for 32, as in the
+    WRN paper; at least 1)."""
+    return max(1, height // 8), max(1, width // 8)
+
+
+def crop_flip_batch(images: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
+    """The images `idx` of the padded (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, each cropped back to H x W at
+    an offset drawn from its hash h and maybe mirrored: gathers on the device."""
+    pad_y, pad_x = pad
+    dx, dy, flip = (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
+    height, width = images.shape[-2] - 2 * pad_y, images.shape[-1] - 2 * pad_x
+    across = torch.arange(width, device=images.device)
+    rows = dy[:, None] + torch.arange(height, device=images.device)
+    cols = dx[:, None] + torch.where(flip[:, None].bool(), width - 1 - across, across)
+    x = images[idx]
+    b, c = x.shape[:2]
+    x = x.gather(2, rows[:, None, :, None].expand(b, c, height, x.shape[3]))
+    return x.gather(3, cols[:, None, None, :].expand(b, c, height, width))
+
+
 class ImageDataset(Dataset):
     """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
     read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
-    transforms.image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
+    image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
     or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad
     too."""
 
@@ -518,7 +598,7 @@ class AgreedLoader:
         for step, (images, labels, unreadable) in enumerate(batches):
             self.gaps = unreadable
             self.found += unreadable
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (transforms.Mix)
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (Mix)
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
         self.check()
@@ -536,7 +616,7 @@ class AgreedLoader:
 class DeviceLoader:
     """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
     there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same StepSampler); the
-    default crop and flip batched (transforms.crop_flip_batch, drawn from the hash: its own draws, as exact), another
+    default crop and flip batched (crop_flip_batch, drawn from the hash: its own draws, as exact), another
     `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
@@ -548,7 +628,7 @@ class DeviceLoader:
         self.shape = tuple(shape or data.images.shape[1:])  # what `transform` must return (check_transforms')
         self.pad = None
         images = data.images
-        if batched_crop_flip:  # the default training transform (transforms.CropFlip), batched
+        if batched_crop_flip:  # the default training transform (CropFlip), batched
             self.pad = crop_padding(*images.shape[-2:])  # padded once, up front
             images = torch.nn.functional.pad(images, (self.pad[1], self.pad[1], self.pad[0], self.pad[0]))
         self.images, self.labels = images.to(device), data.labels.to(device)
@@ -586,7 +666,7 @@ class DeviceLoader:
             images = (crop_flip_batch(self.images, idx, hs, self.pad) if self.pad is not None
                       else self.per_image(idx, epoch))
             labels = self.labels[idx]
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (transforms.Mix)
+            if self.mix is not None:  # mixup/cutmix within each micro-batch (Mix)
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
 

@@ -219,6 +219,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from machinery.tool_exit import catch_stop_signals
+    from tools.tool_exit import catch_stop_signals
     catch_stop_signals()  # SIGTERM and Ctrl-C: out at once, in one line
     main()

@@ -37,7 +37,7 @@ from machinery.errors import RendezvousError, UserError, all_gather
 from machinery.files import check_writable
 from machinery.launch import host_name, read_dist_env, route_source
 from machinery.output import log
-from machinery.tool_exit import run_tool
+from tools.tool_exit import run_tool
 from train_ddp import init_distributed
 
 

@@ -6,7 +6,7 @@
 
 One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
 process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU with gloo. Flags and presets
-(--recipe): config.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
+(--recipe): train_utils.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
 the first three, its model, data and augmentation (the data describe themselves; the model, normalisation and
 augmentation follow; a task other than classification also changes loss_fn and evaluate's metrics). Then the DDP
 story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP (wrap_ddp)
@@ -27,9 +27,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
+# Copied into a folder of your repository (the README's copy line), this file finds your own modules too: the folder
+# above its own is searched after it, so that the ADAPT places can import your code (this copy's names win a clash).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import dataset_utils
 import train_utils as utils
-from config import RECIPES, RESUME_RULES, check_args, get_args_parser, make_config  # the flags, the run's config
 from machinery.cli import run_cli
 from machinery.errors import UserError, all_gather, leave_on_user_error
 from machinery.launch import DistEnv, host_name, read_launcher, rendezvous
@@ -39,7 +42,6 @@ from machinery.records import RunFiles
 from machinery.signals import STOP_CHECK_EVERY
 from machinery.timing import StepLog
 from model import WideResNet
-from transforms import CropFlip, crop_padding  # the default augmentation, which the device loader batches
 
 
 def build_model(cfg, data) -> nn.Module:
@@ -77,7 +79,7 @@ def build_transforms(cfg, data) -> tuple:
     # v2.RandomHorizontalFlip()], test [v2.Resize(256), v2.CenterCrop(224)]. A pipeline other than the default runs
     # per image (in DataLoader workers, or on the GPU with --loader gpu); the default is batched on the GPU.
     # The default, the WRN paper's: zero-pad an eighth of each side (4 for 32), crop back, mirror.
-    pad_y, pad_x = crop_padding(data.height, data.width)
+    pad_y, pad_x = dataset_utils.crop_padding(data.height, data.width)
     crop_flip = [v2.RandomCrop((data.height, data.width), padding=[pad_x, pad_y]), v2.RandomHorizontalFlip()]
     train = [*crop_flip]
     if cfg.auto_augment == "ta_wide":
@@ -88,7 +90,8 @@ def build_transforms(cfg, data) -> tuple:
     mix += [v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=data.num_classes)] if cfg.cutmix_alpha else []
     batch = v2.RandomChoice(mix) if len(mix) == 2 else (mix[0] if mix else None)  # both: one of them, 50/50
     if train == crop_flip:  # the default alone: the device loader crops and flips whole batches on the GPU
-        return CropFlip(v2.Compose(train), pad=(pad_y, pad_x), size=(data.height, data.width)), None, batch
+        return (dataset_utils.CropFlip(v2.Compose(train), pad=(pad_y, pad_x), size=(data.height, data.width)), None,
+                batch)
     return v2.Compose(train), None, batch
 
 
@@ -337,7 +340,7 @@ def train(cfg, env, found, lock) -> int:
                                       and min(recent) >= cfg.target_accuracy)
             finished = epoch == cfg.epochs or progress.stopped_early  # the end of training
             # ADAPT (6/6): an option that finalises its state at the end of training does it here, `if finished:`,
-            # before the last checkpoint and the summary (SWA: machinery.bn_stats.recompute_bn_stats on its average).
+            # before the last checkpoint and the summary (SWA: tools.bn_stats.recompute_bn_stats on its average).
             checkpoint.save(progress)
             run_files.add_epoch(metrics)  # the original's four lines, metrics.jsonl
             if finished:  # run_files.finish says so if early
@@ -425,11 +428,11 @@ def main(args, explicit=frozenset()) -> int:
     lock = None
     try:
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
-        check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
+        utils.check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else lock_out_dir(args.out_dir, env)  # one run per out-dir
         # the checkpoint to continue, and the flags it rules
-        found = utils.find_checkpoint(args, explicit, env, rules=RESUME_RULES)
-        cfg = make_config(args, env, found)  # every flag and what the world makes of them, computed once
+        found = utils.find_checkpoint(args, explicit, env, rules=utils.RESUME_RULES)
+        cfg = utils.make_config(args, env, found)  # every flag and what the world makes of them, computed once
         choose_kernels(deterministic=cfg.deterministic)
         return evaluate_checkpoint(cfg, env, found) if cfg.evaluate else train(cfg, env, found, lock)
     except UserError as e:
@@ -447,4 +450,4 @@ def main(args, explicit=frozenset()) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main, get_args_parser(), RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line
+    sys.exit(run_cli(main, utils.get_args_parser(), utils.RECIPES))  # flags and --recipe; Ctrl-C, dead peers in a line

@@ -38,7 +38,7 @@ print_recipe() {
 }
 
 # The training recipe every job script runs, printed at the start of the log: train_ddp.py's preset
-# wrn-paper (RECIPES in config.py: the WRN paper's WRN-16-8 for CIFAR-100, 200 epochs, carried to a
+# wrn-paper (RECIPES in train_utils.py: the WRN paper's WRN-16-8 for CIFAR-100, 200 epochs, carried to a
 # global batch of 512). train_ddp.py's own defaults are the original script's 5-epoch smoke run.
 # Flags after the job script override any value the preset sets, whatever their order:
 #   sbatch jobs/multigpu.sh --epochs 100 --batch-size 1024   (the LR follows the batch: 0.8)

@@ -12,7 +12,7 @@ from machinery.errors import UserError, WriteError
 from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
 from machinery.output import log
 
-# What a resume does with a flag (machinery/resume.py): config.py's RESUME_RULES gives each flag one of these, or
+# What a resume does with a flag (machinery/resume.py): train_utils.py's RESUME_RULES gives each flag one of these, or
 # (one of these, what a checkpoint written before the flag meant).
 DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
 ANY = object()  # as `before`: any value continues a checkpoint written before the flag

@@ -30,7 +30,7 @@ def check_format(ckpt, path: str, required=()) -> None:
 
 def checkpoint_flags(args, explicit: set, ckpt, rules: dict) -> tuple:
     """The flags this run continues `ckpt` with, and notes on what it changes: `args`, but for those the
-    checkpoint rules, as each flag's resume rule in `rules` (config.py's RESUME_RULES) says. `args` itself is
+    checkpoint rules, as each flag's resume rule in `rules` (train_utils.py's RESUME_RULES) says. `args` itself is
     left as parsed.
 
     Raises UserError if the data, the model or the recipe differ: resuming would mix two runs. --evaluate

@@ -1,5 +1,5 @@
 """Signals: the training loop's checkpointed stop (StopRequest). The loader workers that must outlive a stop
-signal are machinery/loader_workers.py's; the tools' immediate one-line exit is machinery/tool_exit.py's."""
+signal are machinery/loader_workers.py's; the tools' immediate one-line exit is tools/tool_exit.py's."""
 from __future__ import annotations
 
 import contextlib

@@ -102,6 +102,7 @@ def run_in_process(args, env=None, check=False, script=None) -> subprocess.Compl
     import importlib.util
     import tempfile
 
+    import train_utils
     from machinery.cli import run_cli
     if script is None:
         import train_ddp
@@ -123,7 +124,7 @@ def run_in_process(args, env=None, check=False, script=None) -> subprocess.Compl
         try:
             with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
                 try:
-                    status = run_cli(train_ddp.main, train_ddp.get_args_parser(), train_ddp.RECIPES,
+                    status = run_cli(train_ddp.main, train_utils.get_args_parser(), train_utils.RECIPES,
                                      argv=argv)
                 except SystemExit as e:  # argparse's refusals
                     status = e.code if isinstance(e.code, int) else 1

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from config import COMM_HOOKS
+from train_utils import COMM_HOOKS
 from machinery.output import log
 from tools.benchmark import TrainSteps
 

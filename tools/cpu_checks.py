@@ -16,7 +16,6 @@ from torch.utils.data import DistributedSampler
 
 import dataset_utils as du
 import train_ddp
-import transforms
 from tools.benchmark import TrainSteps
 from tools.original_script import original_transform
 from machinery.output import log
@@ -35,7 +34,7 @@ def augmentation_check(rounds: int = 5) -> dict:
     tf = original_transform()
     hwc = data.images.permute(0, 2, 3, 1).numpy()
     normalize = du.Normalize(du.CIFAR100_MEAN, du.CIFAR100_STD, torch.device("cpu"))
-    pad = transforms.crop_padding(*data.images.shape[-2:])
+    pad = du.crop_padding(*data.images.shape[-2:])
     padded = torch.nn.functional.pad(data.images, (pad[1], pad[1], pad[0], pad[0]))
     v2_crop_flip = v2.Compose([v2.RandomCrop(32, padding=[pad[1], pad[0]]), v2.RandomHorizontalFlip()])
     pil_rates, v2_rates, tensor_rates = [], [], []
@@ -51,7 +50,7 @@ def augmentation_check(rounds: int = 5) -> dict:
         t = time.process_time()
         for s in range(0, 4096, 512):
             idx = torch.arange(s, s + 512)
-            normalize(transforms.crop_flip_batch(padded, idx, transforms.mix64(0, rnd, idx), pad))
+            normalize(du.crop_flip_batch(padded, idx, du.mix64(0, rnd, idx), pad))
         tensor_rates.append(4096 / (time.process_time() - t))
     aug = {"pil_img_per_s_per_core": statistics.median(pil_rates), "v2_img_per_s_per_core": statistics.median(v2_rates),
            "tensor_img_per_s_per_core": statistics.median(tensor_rates)}

@@ -54,7 +54,7 @@ def test_a_stop_signal_with_loader_workers_on_gpus_checkpoints_and_resumes_to_th
 # ------------------------------------------------------------------ BatchNorm statistics, the loader check, staging
 
 def test_recomputed_bn_stats_under_nccl_are_those_of_all_samples_on_every_rank(tmp_path):
-    """machinery.bn_stats.recompute_bn_stats (SWA's, or a model's statistics made afresh) on the GPUs: each rank scores
+    """tools.bn_stats.recompute_bn_stats (SWA's, or a model's statistics made afresh) on the GPUs: each rank scores
     its uneven shard, and every rank ends with the statistics of all samples, as one process computes them."""
     launch([tmp_path, 37, 5, DEVICE], nproc=NPROC, script=f"{SCRIPTS}/bn_stats.py")
     (tmp_path / "one").mkdir()

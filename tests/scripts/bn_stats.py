@@ -1,4 +1,4 @@
-"""Launched by torchrun: machinery.bn_stats.recompute_bn_stats on a conv -> BatchNorm model, each rank scoring its
+"""Launched by torchrun: tools.bn_stats.recompute_bn_stats on a conv -> BatchNorm model, each rank scoring its
 shard (r, r + W, ...) of N images in batches of B, so the shards and the last batches are uneven.
 
 Usage: bn_stats.py OUT_DIR N B [DEVICE]   (DEVICE: cpu, the default, with gloo; cuda: one GPU a rank, NCCL)
@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import dataset_utils as du  # noqa: E402
-from machinery.bn_stats import recompute_bn_stats  # noqa: E402
+from tools.bn_stats import recompute_bn_stats  # noqa: E402
 from train_ddp import init_distributed  # noqa: E402
 
 

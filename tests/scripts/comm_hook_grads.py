@@ -13,7 +13,7 @@ import torch.nn as nn
 
 sys.path.insert(0, sys.argv[1])  # the project
 import train_ddp  # noqa: E402
-from config import get_args_parser, make_config  # noqa: E402
+from train_utils import get_args_parser, make_config  # noqa: E402
 from machinery.launch import read_launcher  # noqa: E402
 from machinery.timing import StepLog  # noqa: E402
 

@@ -16,13 +16,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 import train_ddp  # noqa: E402
+import train_utils  # noqa: E402
 from machinery.timing import StepLog  # noqa: E402
 from train_ddp import init_distributed  # noqa: E402
 
 def step_and_save():
     """The step; its DDP model lives only in here, so that it is gone before the process group is."""
     out, batch = sys.argv[1], int(sys.argv[2])
-    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
+    args = train_utils.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1", "--dropout", "0"])
     env = init_distributed("cpu", timeout_s=60)
     data = du.load_split("synthetic", "", True, size=batch)
     loader, _ = support.build_loaders(data, data, batch_size=batch, rank=env.rank, world_size=env.world_size,

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dataset_utils as du  # noqa: E402
 import support  # noqa: E402
 import train_ddp  # noqa: E402
+import train_utils  # noqa: E402
 from machinery.launch import read_dist_env  # noqa: E402
 from machinery.timing import StepLog  # noqa: E402
 
@@ -29,7 +30,7 @@ def step_and_save():
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.allow_tf32 = False  # float32 throughout: tolerance then means float summation order
     torch.backends.cuda.matmul.allow_tf32 = False
-    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "2", "--dropout", "0"])
+    args = train_utils.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "2", "--dropout", "0"])
     env = read_dist_env()
     shared_gpu = env.world_size > torch.cuda.device_count()
     device = torch.device("cuda", 0 if shared_gpu else env.local_rank)

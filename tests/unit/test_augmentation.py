@@ -13,7 +13,7 @@ import dataset_utils as du
 import train_ddp
 from machinery.errors import UserError
 from machinery.transform_checks import check_transforms
-from transforms import CropFlip, crop_padding
+from dataset_utils import CropFlip, crop_padding
 
 FLAGS = argparse.Namespace(auto_augment=None, random_erase=0.0, mixup_alpha=0.0, cutmix_alpha=0.0)
 

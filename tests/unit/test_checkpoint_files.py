@@ -24,8 +24,7 @@ from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEY
 from machinery.resume import check_format, fingerprint
 from machinery.errors import UserError
 from machinery.launch import DistEnv
-from config import make_config
-from train_utils import Checkpoint, Found, Progress
+from train_utils import Checkpoint, Found, Progress, get_args_parser, make_config
 
 
 def load_checkpoint(path, device=torch.device("cpu")):
@@ -60,7 +59,7 @@ def test_checkpoint_holding_pickled_code_is_refused(tmp_path):
 
 def build_run(out_dir, flags=()):
     """A tiny run's config, data and training, as train() makes them, on one CPU process."""
-    args = train_ddp.get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1",
+    args = get_args_parser().parse_args(["--depth", "10", "--widen-factor", "1",
                                                    "--batch-size", "32", "--dataset", "synthetic",
                                                    "--out-dir", str(out_dir), *flags])
     env = DistEnv()

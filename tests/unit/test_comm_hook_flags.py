@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import train_utils as utils
-from config import check_args, get_args_parser
+from train_utils import check_args, get_args_parser
 from machinery.comm_hooks import comm_hook_notes
 from machinery.errors import UserError
 from machinery.launch import DistEnv

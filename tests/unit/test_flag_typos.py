@@ -2,7 +2,7 @@
 and exit status 2; an abbreviation is a typo too, never a guess (--epoch is not taken for --epochs)."""
 import pytest
 
-from config import RECIPES, get_args_parser
+from train_utils import RECIPES, get_args_parser
 from machinery.cli import parse_flags
 
 

@@ -1,4 +1,4 @@
-"""Presets in Python (--recipe NAME, RECIPES in config.py): wrn-paper is the WRN paper's recipe, carried
+"""Presets in Python (--recipe NAME, RECIPES in train_utils.py): wrn-paper is the WRN paper's recipe, carried
 to its batch, and the job scripts run it by name (and pass their CPUs per task on to srun); flags given on
 the command line win whatever their order; --help lists each preset and what it sets; with no --recipe the
 defaults stay the original script's smoke run."""
@@ -8,7 +8,7 @@ import pytest
 
 from machinery.cli import parse_flags
 from support import ROOT, job_recipe
-from train_ddp import RECIPES, get_args_parser
+from train_utils import RECIPES, get_args_parser
 
 
 def parse(argv):

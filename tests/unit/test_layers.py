@@ -1,4 +1,4 @@
-"""The layers point one way: the core (the recipe and its five modules) imports machinery/, which imports no
+"""The layers point one way: the core (the recipe and its three modules) imports machinery/, which imports no
 core module and no tool; the tools sit above both; and no module imports itself back through others. Every
 import counts: at the top, inside a function, or in a module __getattr__."""
 import ast
@@ -8,7 +8,7 @@ import sys
 
 from support import ROOT
 
-CORE = {"train_ddp", "config", "dataset_utils", "model", "transforms", "train_utils"}
+CORE = {"train_ddp", "dataset_utils", "model", "train_utils"}
 TOOLS = {"bench", "preflight", "plot", "tools"}
 
 

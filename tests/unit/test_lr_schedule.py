@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from config import scaled_lr
+from train_utils import scaled_lr
 from train_utils import lr_factor
 
 

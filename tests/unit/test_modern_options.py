@@ -1,4 +1,4 @@
-"""The modern recipe's pieces in-process (torchvision's ops as build_transforms gives them, transforms.Mix,
+"""The modern recipe's pieces in-process (torchvision's ops as build_transforms gives them, dataset_utils.Mix,
 dataset_utils.hold_out, the EMA's decay, --init-from's reading): TrivialAugmentWide and random erasing drawn per
 image from its key, the same on both loaders; mixup/cutmix the same for W ranks x A micro-steps as for W x A
 ranks; the held-out split
@@ -12,7 +12,6 @@ import torch
 import dataset_utils as du
 import support
 import train_ddp
-import transforms
 from machinery.errors import UserError
 from machinery.init_weights import load_initial_weights
 from machinery.launch import DistEnv
@@ -78,7 +77,7 @@ def mixed_steps(world_size, accum, position=64):
         micro = du.deal_step(8, rank, world_size, accum)
         flags = argparse.Namespace(**{**AUGMENT, "mixup_alpha": 0.4, "cutmix_alpha": 1.0})
         spec = du.DataSpec(3, 8, 8, num_classes=8, mean=(0.5,) * 3, std=(0.25,) * 3)
-        mix = transforms.Mix(train_ddp.build_transforms(flags, spec)[2], num_classes=8, seed=2, rank=rank,
+        mix = du.Mix(train_ddp.build_transforms(flags, spec)[2], num_classes=8, seed=2, rank=rank,
                              world_size=world_size)
         idx = torch.tensor([i for m in micro for i in m])
         x, t = mix(images[idx], labels[idx], epoch=4, position=position, micro_sizes=[len(m) for m in micro])
@@ -117,7 +116,7 @@ def test_the_validation_split_is_held_out_the_same_whatever_the_seed_and_never_t
 
 def test_ema_decay_is_per_reference_batch_so_its_horizon_in_samples_keeps_with_the_batch():
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"))
-    import config
+    import train_utils as config
     for batch, expect in ((128, 0.99), (512, 0.99 ** 4), (64, 0.99 ** 0.5)):
         args = config.get_args_parser().parse_args(
             ["--batch-size", str(batch), "--reference-batch-size", "128", "--model-ema-decay", "0.99"])
@@ -163,7 +162,7 @@ def test_init_from_refuses_another_layer_naming_it(tmp_path):
 
 
 def test_recipe_flags_are_checked_in_one_line():
-    from config import check_recipe_args
+    from train_utils import check_recipe_args
     good = dict(model_ema_decay=0.999, clip_grad_norm=None, norm_weight_decay=None, random_erase=0.0,
                 mixup_alpha=0.0, cutmix_alpha=0.0, val_size=0)
     check_recipe_args(argparse.Namespace(**good))
@@ -186,7 +185,7 @@ def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():
 
 
 def test_every_flag_has_a_resume_rule_and_every_rule_a_flag():
-    import config
+    import train_utils as config
     from machinery import checkpoints
     rules = config.RESUME_RULES
     assert set(rules) == set(vars(config.get_args_parser().parse_args([])))
@@ -201,7 +200,7 @@ def test_every_flag_has_a_resume_rule_and_every_rule_a_flag():
      "--val-size 100 would change the data that the checkpoint .* leave --val-size out"),
 ])
 def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_on(change, says):
-    import config
+    import train_utils as config
     from machinery.resume import checkpoint_flags
     before = vars(config.get_args_parser().parse_args([]))
     recipe_flags = [k for k, rule in config.RESUME_RULES.items() if config.RECIPE in (rule, rule[0])]

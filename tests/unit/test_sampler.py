@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from dataset_utils import ShardSampler, StepSampler, deal_step
-from config import accumulation_steps
+from train_utils import accumulation_steps
 
 
 def train_sampler(n, *, batch_size, rank, world_size, accum_steps=1, seed=0):
