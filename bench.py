@@ -129,7 +129,7 @@ def resolve_shape(args) -> None:
 
 # ----------------------------------------------------------------------------- the recipe's loop, timed
 
-def recipe_config(args, env, **flags) -> config.RunConfig:
+def recipe_config(args, env, **flags) -> utils.RunConfig:
     """The recipe's config (config.make_config, a collective) from train_ddp.py's flags in `args` and `flags`
     over them, on synthetic data, without train_ddp.py's --profile; checked as train_ddp.py checks them."""
     recipe = utils.get_args_parser().parse_args([])
