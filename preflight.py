@@ -31,7 +31,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import dataset_utils as du
 from machinery import cifar_archive
 from machinery.errors import RendezvousError, UserError, all_gather
 from machinery.files import check_writable

@@ -18,6 +18,7 @@ import dataset_utils as du
 import train_ddp
 from tools.benchmark import TrainSteps
 from tools.original_script import original_transform
+from machinery.hashing import seeded
 from machinery.output import log
 from machinery.timing import StepLog
 
@@ -45,7 +46,7 @@ def augmentation_check(rounds: int = 5) -> dict:
         pil_rates.append(1024 / (time.process_time() - t))
         t = time.process_time()
         for s in range(0, 1024, 256):
-            normalize(torch.stack([transforms.seeded(v2_crop_flip, (data.images[i],), i) for i in range(s, s + 256)]))
+            normalize(torch.stack([seeded(v2_crop_flip, (data.images[i],), i) for i in range(s, s + 256)]))
         v2_rates.append(1024 / (time.process_time() - t))
         t = time.process_time()
         for s in range(0, 4096, 512):
