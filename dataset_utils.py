@@ -188,8 +188,9 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
         spec = DataSpec(**found.ckpt["config"]["data_spec"])
         call_and_agree(check_same_classes, spec.classes, test_data, "the checkpoint's training split")
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
-    from machinery.resume import fingerprint  # a short hash of the samples, kept in checkpoints
+    from machinery.resume import check_same_splits, fingerprint  # fingerprint: a short hash of the samples
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
+    check_same_splits(fingerprints)  # on every rank: the samplers share one split out
     if found is not None and found.ckpt is not None:  # never continue on other data
         from machinery.resume import check_same_data
         call_and_agree(check_same_data, found, shape, fingerprints)

@@ -425,6 +425,10 @@ def main(args, explicit=frozenset()) -> int:
     """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
     evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
     write)."""
+    if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
+        from machinery.self_check import run_self_check  # imported only here: a training run never needs it
+        return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,
+                              spec_type=dataset_utils.DataSpec)
     lock = None
     try:
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo

@@ -179,6 +179,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="end this run after that epoch, to resume later (0: never)")
     g.add_argument("--evaluate", action="store_true",
                    help="score the checkpoint in --out-dir on its test set, and exit")
+    g.add_argument("--self-check", action="store_true",
+                   help="run this copy's ADAPT places through the README's guarantees in short CPU runs, and exit")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     g.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
@@ -222,7 +224,8 @@ RESUME_RULES = {
     # the run
     "recipe": NOTED, "out_dir": QUIET, "seed": DATA, "device": QUIET, "amp": QUIET, "timeout": QUIET,
     "log_every": QUIET, "checkpoint_every": QUIET, "keep_checkpoints": QUIET, "stop_after_epoch": QUIET,
-    "evaluate": QUIET, "compile": QUIET, "compile_mode": QUIET, "tensorboard": QUIET, "profile": QUIET,
+    "evaluate": QUIET, "self_check": QUIET, "compile": QUIET, "compile_mode": QUIET, "tensorboard": QUIET,
+    "profile": QUIET,
     "deterministic": (NOTED, False),  # the kernels change, not the recipe: a resume may turn it on or off
 }
 

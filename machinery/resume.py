@@ -12,7 +12,7 @@ import torch
 from machinery.checkpoints import (ANY, DATA, NOTED, RECIPE, REQUIRED_CONFIG_KEYS, REQUIRED_KEYS,
                                    REQUIRED_PROGRESS_KEYS)
 from machinery.bad_samples import read_sample
-from machinery.errors import UserError
+from machinery.errors import UserError, all_gather
 from machinery.output import log
 
 
@@ -203,3 +203,18 @@ def fingerprint(data) -> str:
             else:
                 h.update(item[0].contiguous().numpy().tobytes() + str(int(item[1])).encode())
     return f"{len(data)}:{h.hexdigest()}"
+
+
+def check_same_splits(fingerprints: dict) -> None:
+    """Every rank must hold the same splits (name: fingerprint), which the samplers shard by rank: a split that differs
+    by rank would train some samples twice and others never, and score another test set per rank. A UserError on every
+    rank, else."""
+    ranks = all_gather(fingerprints)  # a short string per split: the cost of one small collective
+    for rank, theirs in enumerate(ranks):
+        for name, mine in theirs.items():
+            if mine != ranks[0][name]:
+                (n, h), (n0, h0) = mine.split(":"), ranks[0][name].split(":")
+                raise UserError(f"the {name} split differs by rank: rank {rank} loaded {n} samples (fingerprint {h}), "
+                                f"rank 0 {n0} ({h0}); load_data must return the same splits on every rank (the "
+                                f"samplers share them out): it must not depend on env.rank, and a random split "
+                                f"needs a fixed seed")
