@@ -1,11 +1,8 @@
-"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (CIFAR-100 or
-learnable synthetic data: load_split; image folders: image_folder), the DDP samplers (torch's DistributedSampler,
-unpadded, ShardSampler; a step's micro-batches, StepSampler), the loaders. Images stay uint8 until they reach the
-device, where `Normalize` runs: the loader workers only read and augment them (it matters on clusters with few cores
-per GPU). Each image's augmentation draws from a seed of (seed, epoch, sample index), each micro-batch's mixing from
-(seed, epoch, step, virtual rank), whatever op draws them: the same for any number of ranks (W ranks x A micro-steps
-as W x A ranks) or workers, resumed or not. The ops are torchvision's (train_ddp.build_transforms); the one kept here
-is the device loader's batched crop and flip (CropFlip), which no torchvision op does per image within a batch."""
+"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (load_split,
+image_folder), the DDP samplers (ShardSampler: torch's DistributedSampler unpadded; StepSampler: a step's
+micro-batches), the loaders. Images stay uint8 until `Normalize` on the device. Each image's augmentation draws from
+a seed of (seed, epoch, index), each micro-batch's mixing from (seed, epoch, step, virtual rank): the same for any
+number of ranks or workers, resumed or not. The one op kept here is the device loader's batched crop and flip."""
 import functools
 import itertools
 import numbers
@@ -27,8 +24,8 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 @dataclass
 class ImageData:
-    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,). What it does not state of
-    num_classes, mean and std (fractions of 255), measure_data computes. Too large for memory: use a Dataset."""
+    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,); what it does not state,
+    measure_data computes (mean and std: fractions of 255). Too large for memory: use a Dataset."""
     images: torch.Tensor
     labels: torch.Tensor
     num_classes: int | None = None
@@ -42,8 +39,7 @@ class ImageData:
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What the data say of themselves; the model, the normalisation and the augmentation follow it.
-    Stored in config.json and every checkpoint: a resume on data of another shape is refused."""
+    """What the data say of themselves; the model, normalisation and augmentation follow it (kept in checkpoints)."""
     channels: int
     height: int  # the (first) training image's size: images of a Dataset may differ, the transforms decide
     width: int
@@ -53,7 +49,6 @@ class DataSpec:
     classes: tuple | None = None  # the classes' names, index by index, where the training split names them
 
     def shape(self) -> dict:
-        """What the model's shapes follow."""
         return {"channels": self.channels, "height": self.height, "width": self.width,
                 "num_classes": self.num_classes}
 
@@ -62,24 +57,15 @@ class DataSpec:
 
 def prepare_cifar100(data_dir: str, env=None) -> None:
     """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be node-local) while
-    the others wait; every rank raises the UserError that says why not. `env`: DistEnv, or None for a lone process."""
+    the others wait; every rank raises why not. `env`: None for a lone process."""
     from machinery.cifar_archive import fetch_cifar100  # CIFAR-100's files: loaded for CIFAR-100 only
     if env is None:
         return fetch_cifar100(data_dir)
     call_and_agree(fetch_cifar100, data_dir, here=env.local_rank == 0)
 
 
-def read_cifar100(data_dir: str, train: bool) -> ImageData:
-    """The train or test split of the CIFAR-100 python version that prepare_cifar100 extracted."""
-    from machinery.cifar_archive import read_split
-    images, labels = read_split(data_dir, train, num_classes=CIFAR100_CLASSES)
-    return ImageData(images, labels, num_classes=CIFAR100_CLASSES, mean=CIFAR100_MEAN, std=CIFAR100_STD,
-                     source=f"CIFAR-100 in {data_dir}")
-
-
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
-    """Learnable images of CIFAR-100's shape and dtype (machinery/synthetic.py): for smoke runs, which then show
-    learning, and for benchmarks."""
+    """Learnable images of CIFAR-100's shape and dtype: smoke runs then show learning."""
     from machinery.data_names import SYNTHETIC_SOURCE
     from machinery.synthetic import learnable_images
     images, labels = learnable_images(n, train, seed=seed, num_classes=CIFAR100_CLASSES)
@@ -87,11 +73,14 @@ def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
 
 
 def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> ImageData:
-    """The train or test split of `dataset`, cut to its first `size` samples if size > 0."""
+    """The train or test split of `dataset` (CIFAR-100 as prepare_cifar100 extracted it), its first `size` if > 0."""
     if dataset == "synthetic":
         full = make_synthetic(size or (50_000 if train else 10_000), train)
     else:
-        full = read_cifar100(data_dir, train)
+        from machinery.cifar_archive import read_split
+        images, labels = read_split(data_dir, train, num_classes=CIFAR100_CLASSES)
+        full = ImageData(images, labels, num_classes=CIFAR100_CLASSES, mean=CIFAR100_MEAN, std=CIFAR100_STD,
+                         source=f"CIFAR-100 in {data_dir}")
     if size > len(full):
         split = "train" if train else "test"
         raise UserError(f"--{split}-size {size} exceeds the {len(full)} {split} samples of {dataset}")
@@ -104,23 +93,21 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
 
 def folder_classes(root) -> list:
     """The classes of an image folder root/<class>/<image>, sorted, hidden ones left out: give them to image_folder
-    for both splits, so that labels mean the same (machinery/image_folders.py)."""
+    for both splits, so that labels mean the same."""
     from machinery.image_folders import folder_classes as classes_of
     return classes_of(root)
 
 
 def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None, samples: int = 0):
-    """A split of image files, root/<class>/<image>: machinery/image_folders.py's ImageFolderSplit, torchvision's
-    ImageFolder for folders as users have them (hidden files left out, classes numbered by `classes`, images read
-    as they look). `mode`: "RGB" or "L". `size`: (height, width), or one number, to resize to; None: keep. `samples`
-    (cfg.train_size): that many images, spread over the sorted files (0: all). torchvision: imported when called."""
+    """A split of image files, root/<class>/<image>: torchvision's ImageFolder for folders as users have them. `mode`:
+    "RGB" or "L"; `size`: (height, width) or one number to resize to; `samples`: that many, spread (0: all)."""
     from machinery.image_folders import ImageFolderSplit
     return ImageFolderSplit(str(root), classes=classes, mode=mode, size=size, samples=samples)
 
 
 def mean_std(split, samples: int = 2000) -> tuple:
-    """Per-channel mean and std (fractions of 255) of a Dataset of (uint8 C x H x W tensor, label), from exact integer
-    sums over `samples` images spread evenly (0: all), the same on every rank (machinery/image_folders.py)."""
+    """Per-channel mean and std (fractions of 255) of a Dataset, from exact integer sums over `samples` images spread
+    evenly (0: all): the same on every rank."""
     from machinery.image_folders import mean_std as stats_of
     return stats_of(split, samples)
 
@@ -128,21 +115,26 @@ def mean_std(split, samples: int = 2000) -> tuple:
 # ------------------------------------------------------------------ what load_data returned, checked
 
 def measure_data(train, test) -> DataSpec:
-    """The DataSpec of load_data's splits, as stated (ImageData's fields; a Dataset's `num_classes`, `mean`, `std` or
-    `classes`), else computed from exact integer sums, the same on every rank; a Dataset, too large to read twice,
-    must state its mean and std. UserError, naming load_data, if the loaders cannot take the splits."""
+    """The DataSpec of load_data's splits, as stated, else computed exactly (a Dataset must state its mean and std).
+    UserError, naming load_data, if the loaders cannot take the splits."""
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape[0] != shape[0]:  # sizes may differ: the transforms make the model's (check_transforms)
         raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test "
                         f"images of {' x '.join(map(str, test_shape))} (channels x height x width): both "
                         f"splits must have one number of channels; give both {shape[0]} in load_data")
-    num_classes = stated_classes(train) or stated_classes(test) or count_classes(train, test)
-    for split, name in ((train, "training"), (test, "test")):
-        labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
-        if labels is None or not len(labels):
+    labels = [(name, split, split.labels if isinstance(split, ImageData) else getattr(split, "targets", None))
+              for split, name in ((train, "training"), (test, "test"))]
+    num_classes = stated_classes(train) or stated_classes(test)
+    for _, split, split_labels in labels if not num_classes else ():  # 1 + the largest label, then
+        if split_labels is None:
+            raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its "
+                            f".num_classes (or .classes, or .targets, the list of its labels) in load_data")
+    num_classes = num_classes or 1 + max(int(torch.as_tensor(t).max()) for _, _, t in labels)
+    for name, _, split_labels in labels:
+        if split_labels is None or not len(split_labels):
             continue
-        low, high = int(torch.as_tensor(labels).min()), int(torch.as_tensor(labels).max())  # tensor ops: fast
+        low, high = int(torch.as_tensor(split_labels).min()), int(torch.as_tensor(split_labels).max())
         if not 0 <= low <= high < num_classes:
             raise UserError(f"load_data's {name} labels span [{low}, {high}], outside [0, {num_classes}) for "
                             f"{num_classes} classes: labels must be class indices 0, 1, ...")
@@ -162,7 +154,7 @@ def measure_data(train, test) -> DataSpec:
 
 @dataclass
 class CheckedData:
-    """load_data's splits (train: None for --evaluate), spec and fingerprints, checked against the run's checkpoint."""
+    """load_data's splits (train: None for --evaluate), spec and fingerprints, checked against the checkpoint."""
     train: object
     test: object
     spec: DataSpec
@@ -176,8 +168,7 @@ class CheckedData:
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
     """load_data(cfg, env, train) on every rank, measured and checked to be the data the checkpoint in `found`
-    trained on; every rank raises the UserError that says why not. Without a training split (--evaluate) the spec
-    is the checkpoint's: the training set's mean and std."""
+    trained on. Without a training split (--evaluate) the spec is the checkpoint's."""
     train_data, test_data = call_and_agree(load_data, cfg, env, train)
     if train:
         spec = call_and_agree(measure_data, train_data, test_data)
@@ -205,16 +196,21 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
 
 
 def loader_device(cfg, env, *splits):
-    """data_device, agreed by every rank; for DataLoader workers (None), also the check that they can start here."""
-    device = call_and_agree(data_device, cfg.loader, env.device, *splits)
-    if device is None:
-        from machinery.loader_workers import check_worker_sockets
-        call_and_agree(check_worker_sockets, cfg.num_workers)
-    return device
+    """env.device to keep ImageData there (--loader gpu, or auto on CUDA), or None for DataLoader workers, checked
+    that they can start here. The same on every rank: the splits are."""
+    in_memory = all(isinstance(s, ImageData) for s in splits)  # a Dataset is read by the workers
+    if cfg.loader == "gpu" and not in_memory:
+        other = next(type(s).__name__ for s in splits if not isinstance(s, ImageData))
+        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data "
+                        f"returned a {other}: use --loader torch (or auto)")
+    if in_memory and (cfg.loader == "gpu" or (cfg.loader == "auto" and env.device.type == "cuda")):
+        return env.device
+    from machinery.loader_workers import check_worker_sockets
+    call_and_agree(check_worker_sockets, cfg.num_workers)
 
 
 def describe_source(split) -> str:
-    """What load_data returned and where from, for the records: ImageData's `source`, or a Dataset's class and root."""
+    """What load_data returned and where from, for the records."""
     while isinstance(split, Subset):
         split = split.dataset
     if isinstance(split, ImageData):
@@ -224,8 +220,8 @@ def describe_source(split) -> str:
 
 
 def hold_out(train, size: int) -> tuple:
-    """(the rest, `size` held-out samples) of the training split: a fixed permutation, the same on every rank and in
-    every run whatever --seed, so runs compare on one validation split. DataSpec stays the whole split's."""
+    """(the rest, `size` held-out samples) of the training split: one permutation for every rank and run, whatever
+    --seed, so runs compare on one validation split."""
     if size >= len(train):
         raise UserError(f"--val-size {size} leaves no training samples of the {len(train)}: hold out fewer")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))
@@ -238,8 +234,8 @@ def hold_out(train, size: int) -> tuple:
 
 
 def check_split(split, name: str) -> tuple:
-    """(channels, height, width) of a split's images; UserError unless it is ImageData of uint8 images (N, C, H, W)
-    and int64 labels (N,), or a Dataset of (uint8 C x H x W tensor, integer label)."""
+    """(channels, height, width) of a split's images; UserError unless it is ImageData or a Dataset of (uint8 C x H x W
+    tensor, integer label)."""
     if isinstance(split, ImageData):
         images, labels = split.images, split.labels
         if (images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64
@@ -270,40 +266,22 @@ def check_split(split, name: str) -> tuple:
     return tuple(image.shape)
 
 
-def count_classes(train, test) -> int:
-    """1 + the largest label of either split (a Dataset must list its labels as `targets`)."""
-    highest = []
-    for split in (train, test):
-        labels = split.labels if isinstance(split, ImageData) else getattr(split, "targets", None)
-        if labels is None:
-            raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its "
-                            f".num_classes (or .classes, or .targets, the list of its labels) in load_data")
-        highest.append(int(torch.as_tensor(labels).max()))
-    return max(highest) + 1
-
-
 class ShardSampler:
-    """torch's DistributedSampler (`sampler`, over range(size), drop_last=False): rank r of num_replicas takes
-    positions r, r + num_replicas, ... of the epoch's order (randperm(seed + epoch) when shuffled; set_epoch(epoch)
-    each epoch, as torch's). Two additions:
-    - no padding: torch repeats the order's first samples until every rank has as many; here a rank's share ends
-      with the data (a sample fewer, or none), so an epoch trains, and a test set scores, every sample once;
-    - a start: start_at(start), after set_epoch, yields the epoch's positions from `start` on (a resumed epoch's
-      rest)."""
+    """torch's DistributedSampler (rank r takes positions r, r + num_replicas, ... of the epoch's order), with two
+    additions: no padding (torch repeats samples until every rank has as many; here every sample counts once), and
+    start_at(start), after set_epoch: the epoch's positions from `start` on (a resumed epoch's rest)."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler, self.size, self.num_replicas = sampler, len(sampler.dataset), sampler.num_replicas
         self.virtual_rank, self.start = sampler.rank, 0
 
     def set_epoch(self, epoch: int) -> None:
-        """torch's: the epoch's order, all of it (start_at then starts it later)."""
         self.sampler.set_epoch(epoch)
         self.start_at(0)
 
     def start_at(self, start: int) -> None:
-        # The rest of the epoch is dealt from `start`: this rank's first sample is the one at start + rank, which
-        # torch's share of rank (start + rank) % num_replicas holds (the same rank unless a run resumes at a step
-        # boundary of another batch size or world size).
+        # This rank's first sample is the one at start + rank, which torch's share of rank (start + rank) %
+        # num_replicas holds (another rank where a run resumes on another batch size or world size).
         self.start, self.sampler.rank = start, (start + self.virtual_rank) % self.num_replicas
 
     def __iter__(self):
@@ -316,12 +294,10 @@ class ShardSampler:
 
 
 class StepSampler:
-    """The training loader's batch sampler: for each global step of `batch_size` samples, this rank's micro-batches,
-    one from each of its virtual ranks' shards (ShardSampler), back to back, as (epoch, index) keys (each image's
-    augmentation draws from both). Step s covers positions [start + s x batch, start + (s + 1) x batch) of the epoch's
-    order whatever the world size, so a resume, even on another number of ranks or batch size, trains exactly the
-    samples the epoch has not seen. The short last step is dealt the same way (some micro-batches a sample smaller,
-    or empty), so every rank takes the same number of steps; `step_split` says where the micro-batches part."""
+    """The training loader's batch sampler: for each global step, this rank's micro-batches, one from each of its
+    virtual ranks' shards, as (epoch, index) keys. Step s covers positions [start + s x batch, start + (s + 1) x
+    batch) of the epoch's order whatever the world size, so a resume on any number of ranks or batch size trains
+    exactly the samples the epoch has not seen. The short last step is dealt alike: every rank takes as many steps."""
 
     def __init__(self, shards: list, *, batch_size: int):
         self.shards, self.batch_size, self.num_samples = shards, batch_size, shards[0].size
@@ -331,21 +307,18 @@ class StepSampler:
         self.epoch, self.start, self.skipped = 0, 0, []
 
     def set_epoch(self, epoch: int) -> None:
-        """torch's: sample `epoch`'s order, from its start, none of it skipped yet."""
         for shard in self.shards:
             shard.set_epoch(epoch)
         self.epoch, self.start, self.skipped = epoch, 0, []
 
     def start_at(self, position: int, skipped: list | None = None) -> None:
-        """What a resume adds, after set_epoch: sample the epoch from `position` on (0: all of it). `skipped`: the
-        epoch's unreadable samples skipped so far (Progress.skipped), a list AgreedLoader adds to."""
+        """What a resume adds, after set_epoch: the epoch from `position` on; `skipped`: its unreadable samples."""
         for shard in self.shards:
             shard.start_at(position)
         self.start, self.skipped = position, skipped if skipped is not None else []
 
     def step_split(self, position: int, skipped=()) -> tuple:
-        """(samples, this rank's micro-batch sizes) of the global step at `position` (the epoch's last may be short),
-        less the `skipped` BadSamples (each at its slot in the rank's batch)."""
+        """(samples, this rank's micro-batch sizes) of the global step at `position`, less the `skipped` BadSamples."""
         step_samples = min(self.batch_size, self.num_samples - position)
         sizes = [len(r) for r in deal_step(step_samples, self.rank, self.world_size, self.accum_steps)]
         ends = [sum(sizes[:k + 1]) for k in range(len(sizes))]
@@ -363,9 +336,8 @@ class StepSampler:
 
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
-    """The positions in a step of `step_samples` that `rank`'s micro-steps take, one range each: micro-step k is
-    virtual rank v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps), as
-    its ShardSampler deals them; step_split splits the training batch by it."""
+    """The positions of a step that `rank`'s micro-steps take, one range each: micro-step k is virtual rank
+    v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps)."""
     v = world_size * accum_steps
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
 
@@ -375,16 +347,9 @@ def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -
 _SALT_MIX = 3  # the micro-batch's seed, apart from the images'
 
 
-def image_seed(seed: int, epoch: int, idx: int) -> int:
-    """The seed of training image `idx`'s draws in `epoch`."""
-    return mix64(seed, epoch, idx)
-
-
 class Mix:
-    """`batch_transform` (torchvision's MixUp, CutMix or a RandomChoice of them) on each micro-batch of a step, drawn
-    from (seed, epoch, the step's first position in the epoch's order, the micro-batch's virtual rank r + k x W): the
-    micro-batches are those of W x A ranks (StepSampler), so is their mixing. Images become float (0-255), labels
-    soft targets (N, classes)."""
+    """`batch_transform` (MixUp, CutMix or a RandomChoice of them) on each micro-batch, drawn from (seed, epoch, the
+    step's first position, the micro-batch's virtual rank): as W x A ranks would mix. Labels become soft targets."""
 
     def __init__(self, batch_transform, *, num_classes: int, seed: int, rank: int, world_size: int):
         self.batch_transform, self.num_classes = batch_transform, num_classes
@@ -402,22 +367,16 @@ class Mix:
         return torch.cat(out_images), torch.cat(out_labels)
 
     def mix_step(self, loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
-        """The training loader's `step`-th batch of this pass, mixed within each micro-batch (the loader's
-        step_split: unread samples left out)."""
+        """The training loader's `step`-th batch of this pass, mixed within each micro-batch."""
         sampler = loader.batch_sampler
         position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
         _, micro_sizes = loader.step_split(position)
         return self(images, labels, epoch=sampler.epoch, position=position, micro_sizes=micro_sizes)
 
 
-# The device loader's crop and flip, for the default training transform (zero-pad an eighth of each side, crop back,
-# mirror on one bit), which build_transforms returns as a CropFlip: the same views torchvision's RandomCrop and
-# RandomHorizontalFlip give, drawn from the hash.
-
 class CropFlip:
-    """The default training transform, chosen in train_ddp.build_transforms: the device loader runs it batched on the
-    GPU (crop_flip_batch, `pad` rows and columns each side, images of `size`); DataLoader workers run `per_image`
-    (torchvision's RandomCrop and RandomHorizontalFlip) on each image."""
+    """The default training transform (build_transforms'): the device loader runs it batched (crop_flip_batch, `pad`
+    each side, images of `size`: the views torchvision's ops give); DataLoader workers run `per_image` per image."""
 
     def __init__(self, per_image, *, pad: tuple, size: tuple):
         self.per_image, self.pad, self.size = per_image, tuple(pad), tuple(size)
@@ -427,14 +386,13 @@ class CropFlip:
 
 
 def crop_padding(height: int, width: int) -> tuple:
-    """The random crop's zero padding (rows, columns) on each side for an image of this size (4 for 32, as in the
-    WRN paper; at least 1)."""
+    """The random crop's zero padding (rows, columns) each side: an eighth (4 for 32, as the WRN paper), at least 1."""
     return max(1, height // 8), max(1, width // 8)
 
 
 def crop_flip_batch(images: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
-    """The images `idx` of the padded (N, C, H + 2 pad_y, W + 2 pad_x) uint8 tensor, each cropped back to H x W at
-    an offset drawn from its hash h and maybe mirrored: gathers on the device."""
+    """The images `idx` of the padded uint8 tensor, each cropped back at an offset drawn from its hash h and maybe
+    mirrored: gathers on the device."""
     pad_y, pad_x = pad
     dx, dy, flip = (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
     height, width = images.shape[-2] - 2 * pad_y, images.shape[-1] - 2 * pad_x
@@ -448,11 +406,8 @@ def crop_flip_batch(images: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pa
 
 
 class ImageDataset(Dataset):
-    """A split for the DataLoader (`split`: "training", "test" or "validation"): ImageData, or a Dataset the workers
-    read, whose unreadable samples come as BadSamples; each image through `transform` (None: as it is), seeded by
-    image_seed: training keys are (epoch, index), others index (epoch 0). The same for any number of ranks
-    or workers. An image the transform does not make `shape` (the model's input; no transform: the first's) is bad
-    too."""
+    """A split for the DataLoader: ImageData, or a Dataset whose unreadable samples come as BadSamples; each image
+    through `transform` seeded by mix64(seed, epoch, index). One the transform does not make `shape` is bad too."""
 
     def __init__(self, data, transform=None, seed: int = 0, split: str = "training", shape=None):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
@@ -481,25 +436,14 @@ class ImageDataset(Dataset):
             image, label = item[0], int(item[1])  # int64 once collated
         if self.transform is not None:
             image = transform_sample(self.data, idx, self.split, self.transform, image,
-                                     seed=image_seed(self.seed, epoch, idx), shape=self.image_shape)
+                                     seed=mix64(self.seed, epoch, idx), shape=self.image_shape)
             if not isinstance(image, torch.Tensor):  # a BadSample
                 return image
         return image, label
 
 
-def data_device(loader: str, device: torch.device, *splits):
-    """`device` to keep ImageData there (--loader gpu, or auto on CUDA), or None for DataLoader workers."""
-    in_memory = all(isinstance(s, ImageData) for s in splits)  # a Dataset is read by the workers
-    if loader == "gpu" and not in_memory:
-        other = next(type(s).__name__ for s in splits if not isinstance(s, ImageData))
-        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data "
-                        f"returned a {other}: use --loader torch (or auto)")
-    return device if in_memory and (loader == "gpu" or (loader == "auto" and device.type == "cuda")) else None
-
-
 def _collate(shape, batch):
-    """(images, labels, unreadable): the samples that read, collated (empty tensors of `shape` if none did, or the rank
-    has none left in the last step), and the BadSamples in their slots."""
+    """(images, labels, unreadable): the samples that read, collated (empty of `shape` if none), and the BadSamples."""
     unreadable = [replace(b, slot=i) for i, b in enumerate(batch) if not isinstance(b, tuple)]  # BadSamples
     good = [b for b in batch if isinstance(b, tuple)]  # a sample that read: (image, label)
     if not good:
@@ -508,12 +452,9 @@ def _collate(shape, batch):
 
 
 def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
-    """(train, test, val) loaders of `data` (CheckedData) for this rank, each image through its split's transform and
-    each training micro-batch through the batch one (`transforms`: train_ddp.build_transforms'). train (None for
-    --evaluate) yields its share of each global batch as cfg.accumulation_steps micro-batches (call
-    batch_sampler.set_epoch and start_at each epoch, step_split per batch); test and val (None without --val-size)
-    score each image once, none padded or dropped. DeviceLoaders with data.device; else AgreedLoaders, which skip up to
-    cfg.skip_bad_samples unreadable samples per epoch."""
+    """(train, test, val) loaders of `data` for this rank (`transforms`: build_transforms'). train (None for
+    --evaluate) yields its share of each global batch as micro-batches; test and val (None without --val-size) score
+    each image once. DeviceLoaders with data.device; else AgreedLoaders, which skip unreadable samples."""
     from machinery.transform_checks import check_transforms, where_transform_runs, workers_take
     train_tf, test_tf, batch_tf = transforms
     shape = call_and_agree(check_transforms, data, train_tf, test_tf)  # what they return, before the first step
@@ -531,9 +472,8 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     if data.train is None:
         return None, test, val
     seed = cfg.seed
-    # torch's DistributedSampler deals each epoch's order, randperm(seed + epoch), to world_size x accumulation_steps
-    # virtual ranks: micro-step k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train on
-    # the micro-batches W x A ranks would. train_ddp.py calls set_epoch (torch's) and start_at each epoch.
+    # torch's DistributedSampler deals each epoch's order to world_size x accumulation_steps virtual ranks: micro-step
+    # k of rank r is virtual rank r + k x world_size, so W ranks x A micro-steps train as W x A ranks would.
     virtual_ranks = env.world_size * cfg.accumulation_steps
     shards = [ShardSampler(DistributedSampler(range(len(data.train)), num_replicas=virtual_ranks,
                                               rank=env.rank + k * env.world_size, shuffle=True, seed=seed))
@@ -553,8 +493,7 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
 
 
 def build_test_loader(split, cfg, env, device=None, split_name: str = "test", transform=None, shape=None):
-    """Rank r scores images r, r + world_size, ... (DistributedSampler's shard, unshuffled): no padding, no dropping,
-    maybe none at all."""
+    """Rank r scores images r, r + world_size, ... (DistributedSampler's shard, unshuffled, unpadded)."""
     shard = ShardSampler(DistributedSampler(range(len(split)), num_replicas=env.world_size, rank=env.rank,
                                             shuffle=False))
     if device is not None:
@@ -577,10 +516,9 @@ def _loader_options(workers: int, pin_memory: bool, seed: int = 0) -> dict:
 
 
 class AgreedLoader:
-    """A DataLoader over ImageDataset that yields (images, labels) less the unreadable samples (BadSample);
-    step_split gives the micro-batch sizes without them. The ranks agree on them (a small all-reduce) in check(),
-    which the training loop calls at its stop checks (before any checkpoint), and after the last batch: each is
-    logged and skipped, up to `limit` per epoch; past it, or for any test sample, every rank raises UserError."""
+    """A DataLoader over ImageDataset yielding (images, labels) less the unreadable samples, on which the ranks agree
+    in check() (at the loop's stop checks and after the last batch): each logged and skipped, up to `limit` an
+    epoch; past it, or for a test sample, every rank raises UserError."""
 
     def __init__(self, loader: DataLoader, limit: int = 0, mix=None):
         self.loader, self.limit, self.mix = loader, limit, mix
@@ -605,8 +543,7 @@ class AgreedLoader:
         self.check()
 
     def check(self) -> None:
-        """The ranks agree on the samples found unreadable since the last check: a collective, but for data held in
-        memory (on every rank alike), which all read."""
+        """A collective, but for data held in memory, which all read."""
         if self.loader.dataset.in_memory:
             return
         from machinery.bad_samples import check_unreadable
@@ -615,10 +552,9 @@ class AgreedLoader:
 
 
 class DeviceLoader:
-    """The whole split lives on the device as uint8 (CIFAR-100 is 184 MB); each batch is gathered and augmented
-    there: no CPU workers, no host-to-device copies. The same samples as the torch loader (the same StepSampler); the
-    default crop and flip batched (crop_flip_batch, drawn from the hash: its own draws, as exact), another
-    `transform` per image with the torch loader's seeds (the same draws). For data that do not fit: --loader torch."""
+    """The whole split on the device as uint8 (CIFAR-100: 184 MB), each batch gathered and augmented there: no CPU
+    workers, no copies. The torch loader's samples; the default crop and flip batched, another transform per image
+    with the torch loader's seeds. For data that do not fit: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
                  seed: int = 0, transform=None, mix=None, batched_crop_flip: bool = False,
@@ -643,15 +579,14 @@ class DeviceLoader:
         return self.sampler.step_split(position)
 
     def check(self) -> None:
-        """Nothing to agree on: data held in memory all read (AgreedLoader.check's counterpart)."""
+        """Nothing to agree on: data held in memory all read."""
 
     def per_image(self, idx: torch.Tensor, epoch: int) -> torch.Tensor:
-        """The images `idx`, each through the transform with the torch loader's seed (or as they are)."""
         if self.transform is None:
             return self.images[idx]
         from machinery.bad_samples import transform_image  # UserError if it does not return self.shape
         return torch.stack([transform_image(self.transform, self.images[i], idx=i, split=self.split, shape=self.shape,
-                                            seed=image_seed(self.seed, epoch, i)) for i in idx.tolist()])
+                                            seed=mix64(self.seed, epoch, i)) for i in idx.tolist()])
 
     def __iter__(self):
         if self.sampler is None:

@@ -3,8 +3,7 @@
 WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with 16k, 32k and 64k channels: the CIFAR
 variant of the paper's reference code (BN-ReLU before each 3x3 conv, optional dropout between the two convs, a 1x1
 projection shortcut wherever the block changes the shape). ADAPT: for your own network, replace `build_model` and
-`model_config` in train_ddp.py; nothing else in the training script depends on this file (config.py's --depth and
---widen-factor checks are WRN's, and yours to drop).
+`model_config` in train_ddp.py; nothing else depends on this file (train_utils.ARG_RULES' --depth rule is WRN's).
 """
 import torch
 import torch.nn as nn
@@ -14,9 +13,8 @@ import torch.nn.functional as F
 def check_depth(depth: int) -> int:
     """Return n, the blocks per group, or raise ValueError for a depth that is not 6n+4."""
     if depth < 10 or (depth - 4) % 6 != 0:
-        raise ValueError(
-            f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}"
-        )
+        raise ValueError(f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), "
+                         f"got {depth}")
     return (depth - 4) // 6
 
 
@@ -62,11 +60,8 @@ class WideResNet(nn.Module):
         self.fc = nn.Linear(in_planes, num_classes)
 
         for m in self.modules():
-            if isinstance(m, nn.Conv2d):
+            if isinstance(m, nn.Conv2d):  # BatchNorm's ones and zeros are torch's defaults
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
 

@@ -5,12 +5,9 @@
     sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 
 One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
-process of many; each drives the GPU of its LOCAL_RANK with NCCL, or runs on CPU with gloo. Flags and presets
-(--recipe): train_utils.py. Read top to bottom: six places are marked ADAPT (1/6 to 6/6); an image classifier changes
-the first three, its model, data and augmentation (the data describe themselves; the model, normalisation and
-augmentation follow; a task other than classification also changes loss_fn and evaluate's metrics). Then the DDP
-story: train_step, train_one_epoch, evaluate, and train(), which sets the run up, wraps the model in DDP (wrap_ddp)
-and loops over the epochs.
+process of many, each on the GPU of its LOCAL_RANK with NCCL, or on CPU with gloo. Flags and presets: train_utils.py.
+Six places are marked ADAPT (1/6 to 6/6); an image classifier changes the first three: model, data, augmentation.
+Then the DDP story: train_step, train_one_epoch, evaluate, and train(), which wraps the model in DDP and loops.
 """
 import datetime
 import functools
@@ -57,9 +54,7 @@ def model_config(cfg, data) -> dict:
 
 
 def load_data(cfg, env, train: bool = True):
-    """The (train, test) splits: dataset_utils.ImageData (uint8 images N x C x H x W, int64 labels) for data
-    that fit in memory, or Datasets of (uint8 C x H x W tensor, label) for --loader torch. train: None if
-    not asked for. The rest follows from what this returns: see dataset_utils.measure_data."""
+    """The (train, test) splits (train: None if not asked for). The rest follows from what this returns."""
     # ADAPT (2/6): your data here: ImageData (uint8 N x C x H x W images, int64 labels) when they fit in memory,
     # else a Dataset of (uint8 C x H x W, label). Image files as root/<class>/<image>: dataset_utils.image_folder,
     # with folder_classes and mean_std (the README's worked examples; docs/adapt.md).
@@ -70,9 +65,8 @@ def load_data(cfg, env, train: bool = True):
 
 
 def build_transforms(cfg, data) -> tuple:
-    """(train, test, batch) in torchvision.transforms.v2: each training and test image's (None: as it is) and each
-    training micro-batch's (float images and classes in, soft targets out). The loaders seed torch's generator per
-    image and per micro-batch (docs/adapt.md)."""
+    """(train, test, batch) in torchvision.transforms.v2: each image's (None: as it is) and each training
+    micro-batch's (soft targets out). The loaders seed torch's generator per image and micro-batch (docs/adapt.md)."""
     from torchvision.transforms import v2  # here: torchvision's import costs every process a second
     # ADAPT (3/6): your augmentation. Each image's transform takes a uint8 C x H x W tensor and returns one, of the
     # model's input size (a PIL image: end with v2.PILToTensor()). Photos, say: train [v2.RandomResizedCrop(224),
@@ -97,7 +91,6 @@ def build_transforms(cfg, data) -> tuple:
 
 @dataclass
 class Training:
-    """What build_training makes: the bare model on its device, and what trains and feeds it."""
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -111,8 +104,8 @@ class Training:
 
 
 def build_training(cfg, env, data) -> Training:
-    """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(),
-    --evaluate and bench.py. `data`: dataset_utils.load_checked_data's (its train split may be None)."""
+    """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(), --evaluate and
+    bench.py. `data`: dataset_utils.load_checked_data's."""
     device = env.device
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg, data.spec)
@@ -145,11 +138,8 @@ def build_training(cfg, env, data) -> Training:
 
 
 def train_step(model, images, labels, *, split, training: Training, cfg, step_log) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch: `split` (StepSampler.step_split) is the
-    step's samples over all ranks and this rank's micro-batch sizes; `labels`: classes, or soft targets
-    (mixup, cutmix). Returns the step's sums on the device (utils.step_stats: the loss, and with
-    --clip-grad-norm the gradients' norm): a read on the host would stall the GPU. step_log.mark times its
-    phases."""
+    """One optimizer step on this rank's share of a global batch: `split` is the step's samples over all ranks and
+    this rank's micro-batch sizes. Returns the step's sums on the device (a read on the host would stall the GPU)."""
     normalize, optimizer, scaler, loss_fn = (training.normalize, training.optimizer, training.scaler,
                                              training.loss_fn)
     (step_samples, micro_sizes), device, amp_dtype = split, normalize.scale.device, cfg.amp_dtype
@@ -192,9 +182,8 @@ def train_step(model, images, labels, *, split, training: Training, cfg, step_lo
 
 
 def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, step_log, checks, checkpoint) -> bool:
-    """Train the rest of `epoch` from progress.position (utils.Progress: where training stands). Every
-    STOP_CHECK_EVERY steps the ranks agree on what would end the run (checks: utils.RunChecks): unreadable
-    samples, a non-finite loss, a stop request, which saves a checkpoint and returns True."""
+    """Train the rest of `epoch` from progress.position. Every STOP_CHECK_EVERY steps the ranks agree on what would
+    end the run (unreadable samples, a non-finite loss, a stop request: a checkpoint, then True)."""
     loader, optimizer, device = training.train_loader, training.optimizer, training.normalize.scale.device
     n = loader.batch_sampler.num_samples  # training samples per epoch
     model.train()
@@ -251,10 +240,8 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
 
 @torch.no_grad()
 def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: bool = False) -> dict:
-    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard,
-    and the sums (not per-rank means) are all-reduced, so uneven shards weigh right. `model` is the bare
-    model: DDP's forward may broadcast, and a rank with an empty shard would not join. The count check: every
-    image once. `tta`: each image's logits averaged with its mirror's."""
+    """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and the
+    sums (not means) are all-reduced. `model` is the bare model: a rank with an empty shard joins no DDP forward."""
     device = normalize.scale.device
     # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does
     # not re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
@@ -285,8 +272,7 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
 
 
 def train(cfg, env, found, lock) -> int:
-    """The recipe. Every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint
-    this run continues (utils.find_checkpoint), `lock`: this run's hold on the out-dir."""
+    """The recipe: every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint it continues."""
     # ------------------------------------------------------------------ data, then the model and its training
     if found.finished:  # a finished run rerun with the same command (a requeue, say): said, nothing to train
         return 0
@@ -356,9 +342,8 @@ def train(cfg, env, found, lock) -> int:
 
 
 def wrap_ddp(model, cfg, env, step_log) -> DDP:
-    """DDP all-reduces (averages) the gradients in backward, bucket by bucket (--bucket-cap-mb) as each bucket's
-    gradients come in, overlapped with the rest of backward; bucket views spare a copy. --comm-hook changes what the
-    all-reduce sends; the step log times it, at each bucket's hand-off."""
+    """DDP averages the gradients in backward, bucket by bucket (--bucket-cap-mb) as each bucket's gradients come in,
+    overlapped with the rest of backward; bucket views spare a copy. --comm-hook changes what the all-reduce sends."""
     # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
     # statistics; evaluate() and checkpoints take rank 0's (a model that reads them: train() says what to drop).
     model = DDP(model, device_ids=[env.local_rank] if env.cuda else None, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -394,9 +379,8 @@ def evaluate_checkpoint(cfg, env, found) -> int:
 
 
 def init_distributed(device: str, timeout_s: float) -> DistEnv:
-    """Who this process is (rank, local_rank, world_size: torchrun's variables, which srun's tasks adopt),
-    its device, and the process group the ranks meet in: NCCL with one GPU per LOCAL_RANK, or gloo on CPUs.
-    A plain `python train_ddp.py` is one process, in no group."""
+    """Who this process is (torchrun's variables, which srun's tasks adopt), its device, and the process group: NCCL
+    with one GPU per LOCAL_RANK, or gloo on CPUs. A plain `python train_ddp.py` is one process, in no group."""
     env = read_launcher(device)
     if "RANK" in os.environ:  # a launcher started this process as one of a group
         if env.cuda:
@@ -411,9 +395,8 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
 
 
 def choose_kernels(*, deterministic: bool) -> None:
-    """cuDNN's and cuBLAS's kernels. By default the fastest for each (fixed) input shape, found by timing them:
-    which one wins, and so how its sums round, may differ from run to run. --deterministic: the same kernels and
-    sums every run (cudnn.benchmark off, deterministic algorithms; an op that has none warns), slower."""
+    """By default the fastest kernels for each input shape, found by timing them (which wins, so how sums round,
+    may differ by run); --deterministic: the same kernels and sums every run, slower."""
     if deterministic:  # cuBLAS reads it when it first allocates its workspace: at the first matmul, after this
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = not deterministic
@@ -422,9 +405,8 @@ def choose_kernels(*, deterministic: bool) -> None:
 
 
 def main(args, explicit=frozenset()) -> int:
-    """Join the other processes, take the out-dir, find the checkpoint, make the config, then train (or only
-    evaluate); tear down whatever happens. A UserError: every rank out, one line from rank 0, exit 2 (74: a
-    write)."""
+    """Join the others, take the out-dir, find the checkpoint, make the config, train (or evaluate); tear down. A
+    UserError: every rank out, one line from rank 0, exit 2 (74: a write)."""
     if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
         from machinery.self_check import run_self_check  # imported only here: a training run never needs it
         return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,

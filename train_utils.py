@@ -1,13 +1,7 @@
-"""What train_ddp.py uses, in the order it uses it: its flags (one flat argparse config, a line of help each), what a
-resume does with each (RESUME_RULES), the named presets (--recipe NAME; flags given on the command line win), the
-argument checks (check_args) and what this run's world makes of them, computed once (make_config: RunConfig; a flag
-added to get_args_parser is cfg.<its name> in the recipe); then the LR schedule, DDP's options and comm hook, the loss
-sums, the unused-parameter check, the checks the ranks agree on (RunChecks: a stop request, a non-finite loss,
-unreadable samples), where training stands (Progress), the checkpoint a run continues (find_checkpoint: every rank's
-torch.load) and what a checkpoint holds (Checkpoint: rank 0's torch.save), and the original script's first lines.
-With no --recipe the defaults are the original script's 5-epoch smoke run, and every modern-recipe option is off.
-Below it, machinery/ (machinery/README.md). One error protocol throughout: a problem the user can fix is a UserError
-(exit 2; WriteError, exit 74), raised on every rank at once and said once by rank 0."""
+"""What train_ddp.py uses, in its order: the flags (a flag added to get_args_parser is cfg.<its name>), presets and
+resume rules, the argument checks, the config computed once (make_config), the LR schedule, DDP's options, the loss
+sums, the checks the ranks agree on, where training stands (Progress), the checkpoint (find_checkpoint's torch.load,
+Checkpoint's torch.save), the first lines. A problem the user can fix is a UserError, said once, on every rank."""
 from __future__ import annotations
 
 import argparse
@@ -42,29 +36,9 @@ WRN_PAPER = dict(depth=16, widen_factor=8, dropout=0.0, epochs=200, batch_size=5
                  reference_batch_size=128, lr_scaling="linear", warmup_epochs=5.0, lr_schedule="step",
                  momentum=0.9, nesterov=True, weight_decay=5e-4, patience=0)
 
-# torch.compile's modes (--compile-mode): bench.py --candidates times each against the default.
-COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
-
-# DDP's communication hooks (--comm-hook), torch's own (torch.distributed.algorithms.ddp_comm_hooks): none is DDP's
-# built-in all-reduce of fp32 gradients. docs/comm-hooks.md: where each helps, and what it costs.
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]  # torch.compile's
+# DDP's communication hooks, torch's own (none: DDP's all-reduce of fp32 gradients; docs/comm-hooks.md)
 COMM_HOOKS = ["none", "fp16", "bf16", "powersgd"]
-
-
-def depth_arg(text: str) -> int:
-    """--depth as argparse reads it: refused on the command line, in one line, unless it is 6n+4 (as
-    model.check_depth; the flags import no model)."""
-    depth = int(text) if text.lstrip("-").isdigit() else -1
-    if depth < 10 or (depth - 4) % 6 != 0:
-        raise argparse.ArgumentTypeError(f"WideResNet depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got "
-                                         f"{text}")
-    return depth
-
-
-def width_arg(text: str) -> int:
-    """--widen-factor as argparse reads it: an integer of at least 1."""
-    if not text.lstrip("-").isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"WideResNet widen_factor must be an integer >= 1, got {text}")
-    return int(text)
 
 
 RECIPES = {
@@ -94,8 +68,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     g.add_argument("--patience", type=int, default=2,
                    help="stop after this many epochs in a row at or above the target (0: no early stopping)")
     g = p.add_argument_group("model")
-    g.add_argument("--depth", type=depth_arg, default=16, help="WideResNet depth, 6n+4")
-    g.add_argument("--widen-factor", type=width_arg, default=8, help="WideResNet width multiplier k")
+    g.add_argument("--depth", type=int, default=16, help="WideResNet depth, 6n+4")
+    g.add_argument("--widen-factor", type=int, default=8, help="WideResNet width multiplier k")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout between the convs of each block")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
@@ -192,15 +166,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-# What a resume does with each flag (machinery/resume.py: checkpoint_flags reads this table):
-#   DATA    what the checkpoint trained on: a run on other data must not continue it (refused);
-#   MODEL   what fixes the model's shapes: checked against the checkpoint's model_config (refused);
-#   RECIPE  how it trains: changed mid-run it would make the run another recipe (refused);
-#   NOTED   may change (the LR, batch size, schedule): the resumed run's log says what changed;
-#   QUIET   may change without a word (where files go, how fast, what is scored or logged).
-# (RULE, before): for a flag added after checkpoints existed, what an older checkpoint meant (None: the option was
-# off, so a value that turns it on changes the run; ANY: any value continues it, as for a decay that means nothing
-# while its option is off). A flag added to get_args_parser needs its line here (a unit test checks).
+# What a resume does with each flag (machinery/resume.py's checkpoint_flags). Changed, a DATA, MODEL or RECIPE flag
+# is refused (other data, another model, another recipe); a NOTED one is said in the log; a QUIET one is not.
+# (RULE, before): what a checkpoint written before the flag meant (None: off; ANY: any value continues it).
+# A flag added to get_args_parser needs its line here (a unit test checks).
 RESUME_RULES = {
     # the original script's flags
     "batch_size": NOTED, "epochs": NOTED, "base_lr": NOTED, "target_accuracy": NOTED, "patience": NOTED,
@@ -232,75 +201,59 @@ RESUME_RULES = {
 
 # ------------------------------------------------------------------------- the argument checks
 
+# Each flag's range, checked by check_args: (flags, the test a value passes, what it must be, a hint).
+ARG_RULES = [
+    (("depth",), lambda v: v >= 10 and (v - 4) % 6 == 0, "must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...)", ""),
+    (("epochs", "widen_factor", "reference_batch_size", "keep_checkpoints", "powersgd_rank"), lambda v: v >= 1,
+     "must be at least 1", ""),
+    (("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every",
+      "skip_bad_samples"), lambda v: v >= 0, "must not be negative", ""),
+    (("norm_weight_decay",), lambda v: v >= 0, "must not be negative", " (leave it out: --weight-decay for all)"),
+    (("mixup_alpha", "cutmix_alpha", "val_size"), lambda v: v >= 0, "must not be negative", " (0: off)"),
+    (("target_accuracy",), lambda v: 0 <= v <= 1, "is a fraction in [0, 1]",
+     " (85% is 0.85; to train every epoch, turn early stopping off with --patience 0)"),
+    (("random_erase",), lambda v: 0 <= v <= 1, "is a probability in [0, 1]", ""),
+    (("dropout", "label_smoothing"), lambda v: 0 <= v < 1, "must lie in [0, 1)", ""),
+    (("base_lr", "bucket_cap_mb"), lambda v: v > 0, "must be positive", ""),
+    (("clip_grad_norm",), lambda v: v > 0, "must be positive", " (leave it out for no clipping)"),
+    (("patience",), lambda v: v >= 0, "is a number of epochs in a row at the target",
+     " (0: no early stopping, every epoch trained)"),
+    (("micro_batch",), lambda v: v >= 1, "is the most samples per forward on one rank, at least 1",
+     " (leave it out for no cap)"),
+    (("model_ema_decay",), lambda v: 0 < v < 1, "is the average's decay per reference batch, in (0, 1)",
+     " (0.999: the last ~1,000 reference batches weigh most)"),
+    (("powersgd_start",), lambda v: v >= 2, "must be at least 2",
+     " (DDP rebuilds its buckets after the first step, which PowerSGD's state must follow)"),
+]
+
+
 def check_args(args, world_size: int, device: torch.device) -> None:
     """Reject bad input before any work, with one line that says what to change."""
     if args.batch_size < 1 or (args.batch_size % world_size and not args.evaluate):
         raise UserError(f"--batch-size {args.batch_size} must be a positive multiple of the world size "
                         f"{world_size}; try --batch-size "
                         f"{max(1, round(args.batch_size / world_size)) * world_size}")
-    if args.epochs < 1:
-        raise UserError(f"--epochs must be at least 1, got {args.epochs}")
-    if not 0.0 <= args.target_accuracy <= 1.0:
-        raise UserError(f"--target-accuracy is a fraction in [0, 1], got {args.target_accuracy} "
-                        f"(85% is 0.85; to train every epoch, turn early stopping off with --patience 0)")
-    for name in ("reference_batch_size", "keep_checkpoints"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.patience < 0:
-        raise UserError(f"--patience is a number of epochs in a row at the target, got {args.patience} "
-                        f"(0: no early stopping, every epoch trained)")
-    for name in ("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch",
-                 "checkpoint_every", "skip_bad_samples"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    for names, test, must, hint in ARG_RULES:
+        for name in names:
+            value = getattr(args, name, None)  # None: unset, or a flag an adaptation dropped
+            if value is not None and not test(value):
+                raise UserError(f"--{name.replace('_', '-')} {must}, got {value}{hint}")
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
     if args.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UserError("--tensorboard needs the tensorboard package: pip install tensorboard "
                             "(or pip install -e '.[tensorboard]')") from None
-    if args.micro_batch is not None and args.micro_batch < 1:
-        raise UserError(f"--micro-batch is the most samples per forward on one rank, at least 1, got "
-                        f"{args.micro_batch} (leave it out for no cap)")
-    if args.sync_bn and device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); "
-                        "leave it out on CPU")
-    check_recipe_args(args)
-    if args.bucket_cap_mb <= 0:
-        raise UserError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb} (DDP's default: 25)")
-    if args.powersgd_rank < 1 or args.powersgd_start < 2:
-        raise UserError(f"--powersgd-rank must be at least 1 and --powersgd-start at least 2 (DDP rebuilds its "
-                        f"buckets after the first step, which PowerSGD's state must follow), got "
-                        f"{args.powersgd_rank} and {args.powersgd_start}")
-    if not (0.0 <= args.dropout < 1.0 and 0.0 <= args.label_smoothing < 1.0 and args.base_lr > 0):
-        raise UserError("--dropout and --label-smoothing must lie in [0, 1), and --base-lr must be positive")
-
-
-def check_recipe_args(args) -> None:
-    """The modern recipe's flags."""
-    if not 0.0 < args.model_ema_decay < 1.0:
-        raise UserError(f"--model-ema-decay is the average's decay per reference batch, in (0, 1), got "
-                        f"{args.model_ema_decay} (0.999: the last ~1,000 reference batches weigh most)")
-    if args.clip_grad_norm is not None and args.clip_grad_norm <= 0:
-        raise UserError(f"--clip-grad-norm must be positive, got {args.clip_grad_norm} "
-                        f"(leave it out for no clipping)")
-    if args.norm_weight_decay is not None and args.norm_weight_decay < 0:
-        raise UserError(f"--norm-weight-decay must not be negative, got {args.norm_weight_decay} "
-                        f"(leave it out: --weight-decay for all)")
-    if not 0.0 <= args.random_erase <= 1.0:
-        raise UserError(f"--random-erase is a probability in [0, 1], got {args.random_erase}")
-    for name in ("mixup_alpha", "cutmix_alpha", "val_size"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)} "
-                            f"(0: off)")
 
 
 # ----------------------------------------------------------- what the world makes of the flags, computed once
 
 @dataclass(frozen=True, eq=False)
 class RunConfig:
-    """Every flag and what this run makes of them in its world: built once (make_config), read by training,
-    --evaluate and bench.py, stored whole in config.json and every checkpoint. cfg.epochs reads flags["epochs"]."""
+    """Every flag and what this run's world makes of them, built once, stored in config.json and checkpoints.
+    cfg.epochs reads flags["epochs"]."""
     flags: dict              # every flag, after --recipe and what a resumed checkpoint rules
     world_size: int          # ranks in all
     nodes: int               # hosts they run on
@@ -321,14 +274,13 @@ class RunConfig:
         return flags[name]
 
     def to_dict(self) -> dict:
-        """Flat, as config.json and checkpoints hold it: the flags, then the derived values."""
         derived = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "flags"}
         amp = str(self.amp_dtype).removeprefix("torch.") if self.amp_dtype else None  # "bfloat16", or null
         return {**self.flags, **derived, "amp_dtype": amp}
 
 
 def make_config(args, env: DistEnv, found=None) -> RunConfig:
-    """The run's config from the flags (`found`'s, a train_utils.Found, where its checkpoint rules) and `env`."""
+    """The run's config from the flags (`found`'s where its checkpoint rules them) and `env`."""
     args = argparse.Namespace(**found.flags) if found is not None and found.flags else args
     clash = set(vars(args)) & ({f.name for f in fields(RunConfig)} | {"to_dict"})
     if clash:  # a flag named like a derived value would be shadowed by it
@@ -342,13 +294,13 @@ def make_config(args, env: DistEnv, found=None) -> RunConfig:
         eval_batch=min(per_rank_batch, args.micro_batch or per_rank_batch),
         lr=scaled_lr(args.base_lr, args.batch_size, args.reference_batch_size, args.lr_scaling),
         num_workers=args.workers if args.workers >= 0 else default_workers(env), device_type=env.device.type,
-        amp_dtype=resolve_amp(args.amp, env.device),
+        amp_dtype={"fp16": torch.float16, "bf16": torch.bfloat16, "off": None, "auto": auto_amp(env.device)}[args.amp],
         # One horizon in samples at any batch: a step of B samples decays by D^(B / reference batch) (as torchvision).
         ema_decay=args.model_ema_decay ** (args.batch_size / args.reference_batch_size))
 
 
 def accumulation_steps(per_rank_batch: int, micro_batch) -> int:
-    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most `micro_batch` (None: 1)."""
+    """The fewest micro-steps that split a rank's batch into equal micro-batches of at most `micro_batch`."""
     if not micro_batch or micro_batch >= per_rank_batch:
         return 1
     return next(a for a in range(1, per_rank_batch + 1)
@@ -361,22 +313,19 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) 
     return base_lr * {"linear": ratio, "sqrt": math.sqrt(ratio), "none": 1.0}[rule]
 
 
-def resolve_amp(amp: str, device: torch.device):
-    """The autocast dtype, or None for full fp32."""
-    if amp == "auto":
-        if device.type != "cuda":
-            return None
-        # bf16 needs Ampere (8.0) or newer; is_bf16_supported() also says yes where it is only emulated, slowly.
-        return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
-    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
+def auto_amp(device: torch.device):
+    """--amp auto: bf16 on Ampere (8.0) or newer (is_bf16_supported() also says yes where it is emulated), else
+    fp16 on older GPUs; full fp32 on CPUs."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
 
 
 # ------------------------------------------------------------------------- the LR schedule
 
 def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, schedule: str) -> float:
-    """Multiplier of the peak LR for a step from `start` to `end`, in epochs done (counted in samples, not
-    steps: a resume with another batch size keeps its place). Linear warm-up, then cosine to 0, the WRN
-    paper's steps (x0.2 at 30%, 60% and 80% of training), or constant (the original script's)."""
+    """Multiplier of the peak LR for a step from `start` to `end` epochs done (in samples: a resume with another
+    batch size keeps its place). Linear warm-up, then cosine to 0, x0.2 at 30/60/80% of training, or constant."""
     if start < warmup_epochs:
         return min(1.0, end / warmup_epochs)
     if schedule == "constant":
@@ -389,26 +338,23 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
 
 # ------------------------------------------------------------- DDP's option, the loss sums
 
-# DDP's option that turns off its broadcast of the buffers before every forward: forward_sync_buffers since
-# torch 2.14 (broadcast_buffers, which older versions have, is deprecated there).
+# DDP's broadcast of the buffers before every forward, off: forward_sync_buffers since torch 2.14 (broadcast_buffers
+# before, deprecated there).
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else {"broadcast_buffers": False})
 
 
 def comm_hook(cfg, env: DistEnv) -> tuple:
-    """--comm-hook as DDP.register_comm_hook takes it, (state, hook): torch's own hooks, fp16_compress_hook,
-    bf16_compress_hook, or powerSGD_hook with its PowerSGDState (machinery/comm_hooks.py, loaded only then); (None,
-    None) for none, DDP's built-in all-reduce."""
+    """--comm-hook as DDP.register_comm_hook takes it, (state, hook); (None, None): DDP's built-in all-reduce."""
     if cfg.comm_hook == "none":
         return None, None
     from machinery.comm_hooks import torch_comm_hook
     return torch_comm_hook(cfg, env)
 
 
-# The epoch's sums, one float64 tensor on the device (one all-reduce sums them all), slot by slot: the loss
-# times the samples over finite losses, those samples, all samples; with --clip-grad-norm, the gradient norm
-# over finite norms, those steps, all steps. Progress.sums holds them as a list, in checkpoints too.
+# The epoch's sums, one float64 device tensor (one all-reduce sums them all): the loss over finite losses, their
+# samples, all samples; with --clip-grad-norm, the gradient norm over finite norms, those steps, all steps.
 EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_norm_steps", "norm_steps",
               "correct")  # and the samples whose top prediction is their label (with mixup: its larger share)
 
@@ -416,8 +362,7 @@ EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
                grad_norm: torch.Tensor | None = None):
     """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's summed loss over n samples and its `correct` count,
-    or a step's gradient norm, counted on rank 0 alone (all ranks have it; the sums are all-reduced). Device tensors
-    only: nothing waits for the GPU."""
+    or a step's gradient norm, counted on rank 0 alone (all ranks have it). Device tensors: nothing waits."""
     value = loss_sum if grad_norm is None else grad_norm
     finite = torch.isfinite(value).double()
     kept = torch.where(finite > 0, value.double(), 0.0)
@@ -430,17 +375,15 @@ def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: tor
 
 
 class LossCheck:
-    """Whether the training loss went NaN or infinite on any rank, from the epoch's sums (EPOCH_SUMS): any such
-    sample stops the run, or with fp16's grad scaler (`allow_nonfinite`), which skips the odd overflowing step, only
-    divergence does: most samples non-finite since the previous check."""
+    """Whether the training loss went NaN or infinite on any rank: any such sample stops the run; with fp16's grad
+    scaler (`allow_nonfinite`), which skips the odd overflowing step, only most samples since the last check do."""
 
     def __init__(self, device: torch.device, *, allow_nonfinite: bool):
         self.device, self.allow_nonfinite, self.previous = device, allow_nonfinite, None
         self.slots = [EPOCH_SUMS.index("finite_samples"), EPOCH_SUMS.index("samples")]
 
     def check(self, sums) -> None:
-        """A collective (one small all-reduce): every rank raises UserError if the loss went non-finite on
-        any. `sums`: the epoch's so far, a device tensor or a list."""
+        """A collective: every rank raises UserError if the loss went non-finite on any. `sums`: the epoch's."""
         counts = torch.as_tensor(sums, dtype=torch.float64).to(self.device)[self.slots]  # finite, all
         if self.allow_nonfinite:
             previous = self.previous if self.previous is not None else torch.zeros_like(counts)
@@ -463,9 +406,8 @@ class LossCheck:
 
 
 def check_parameters_used(model) -> None:
-    """A collective, after a step's backward under DDP (without find_unused_parameters): UserError on every rank,
-    naming them, if parameters got no gradient (an auxiliary head, a branch not taken); DDP would fail at the next
-    forward instead ("Expected to have finished reduction in the prior iteration"), in a traceback per rank."""
+    """A collective after a step under DDP: UserError on every rank naming the parameters that got no gradient,
+    where DDP would fail at the next forward in a traceback per rank ("Expected to have finished reduction")."""
     ddp = getattr(model, "_orig_mod", model)
     if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
         return
@@ -483,18 +425,16 @@ def check_parameters_used(model) -> None:
 
 
 class RunChecks(StopRequest):
-    """What ends a run, agreed by every rank at once: a stop request (StopRequest's: a signal or the stop file,
-    caught while `with` holds), a non-finite loss (LossCheck), samples that do not read (the loader's check)."""
+    """What ends a run, agreed by every rank at once: a stop request (a signal or the stop file, caught while `with`
+    holds), a non-finite loss (LossCheck), samples that do not read (the loader's check)."""
 
     def __init__(self, loader, device, *, allow_nonfinite: bool):
         super().__init__()
-        self.loader, self.device = loader, device
-        self.loss = LossCheck(device, allow_nonfinite=allow_nonfinite)  # fp16's scaler skips the odd bad step
+        self.loader, self.device, self.loss = loader, device, LossCheck(device, allow_nonfinite=allow_nonfinite)
 
     def check(self, sums) -> bool:
-        """Collectives: every rank calls it at the same steps. Unreadable samples named and skipped, or every rank
-        raises (before any checkpoint holds them); a NaN loss on any rank ends every rank (before it reaches a
-        checkpoint); True on every rank if any was asked to stop. `sums`: the epoch's so far (EPOCH_SUMS)."""
+        """Collectives, at the same steps on every rank, before any checkpoint: raises for unreadable samples past
+        the limit or a NaN loss on any rank; True on every rank if any was asked to stop."""
         self.loader.check()
         self.loss.check(sums)
         return super().check(self.device)
@@ -517,14 +457,11 @@ class Progress:
     skipped: list = field(default_factory=list)  # that epoch's unreadable samples skipped so far
 
     def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict, eval_s: float = 0.0) -> dict:
-        """Close a trained and evaluated epoch: its row of metrics.jsonl (the all-reduced training sums, the
-        test metrics `val`, the last step's LR, its time, the evaluation's `eval_s`, the run's training and
-        training-plus-evaluation seconds so far, resumes included, and `timing`: StepLog.finish_epoch's every
-        rank's split), kept in the history. Returns the row."""
-        sums = dict(zip(EPOCH_SUMS, self.sums))
+        """Close a trained and evaluated epoch: its row of metrics.jsonl (the training sums, the test metrics `val`,
+        the LR, the times, `timing`: every rank's split), kept in the history. Returns the row."""
+        sums, before = dict(zip(EPOCH_SUMS, self.sums)), self.history[-1] if self.history else {}
         count = sums["samples"]
         # The run's seconds so far, resumes included (a checkpoint from before these fields: its epochs' times).
-        before = self.history[-1] if self.history else {}
         train_s = before.get("train_time_s", sum(m["epoch_time_s"] for m in self.history)) + self.elapsed_s
         run_s = before.get("run_time_s", train_s - self.elapsed_s) + self.elapsed_s + eval_s
         metrics = {"epoch": epoch, "train_loss": sums["loss_sum"] / max(sums["finite_samples"], 1),
@@ -544,8 +481,7 @@ class Progress:
         metrics.update(timing)
         self.history.append(metrics)
         self.epoch, self.position, self.step = epoch, 0, 0
-        self.total_time_s += self.elapsed_s
-        self.total_images += int(count)
+        self.total_time_s, self.total_images = self.total_time_s + self.elapsed_s, self.total_images + int(count)
         self.sums, self.elapsed_s, self.skipped = [0.0] * len(EPOCH_SUMS), 0.0, []
         return metrics
 
@@ -568,10 +504,8 @@ class Found:
 
 
 def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
-    """The checkpoint this run continues, the newest in --out-dir that loads (torch.load, weights_only), and the
-    flags to continue it with. Every rank raises the UserError that says why it cannot: an older format, a flag
-    that `rules` (RESUME_RULES) refuses to change, another device type, a finished run asked to change.
-    Its data and model are checked once built (load_checked_data, Checkpoint.restore)."""
+    """The checkpoint this run continues, the newest in --out-dir that loads, and the flags to continue it with; every
+    rank raises why it cannot (an older format, a flag `rules` refuses to change, another device type)."""
     def load(path):  # every rank reads it; weights_only: tensors and plain data, never pickled code
         return torch.load(path, map_location=env.device, weights_only=True)
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, load, args.keep_checkpoints)  # newest that loads
@@ -592,24 +526,19 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
 
 
 class Checkpoint:
-    """What a checkpoint holds, registered once; saving, restoring and sizing go over it. `state` (name=object
-    with state_dict() and load_state_dict()) is required. State an option adds later goes in `optional` (name:
-    (object, what stands in for it in an older checkpoint); or add()): old checkpoints still resume, nothing
-    guessed silently.
-    Besides the state: where training stands (Progress), the config, the model's config, the data's
-    fingerprints, and every rank's RNG states (machinery/checkpoints.py: REQUIRED_KEYS)."""
+    """What a checkpoint holds, registered once: `state` (name=object with state_dict() and load_state_dict()) is
+    required; state an option adds later goes in `optional` (name: (object, what stands in for it in an older
+    checkpoint)). Besides: Progress, the config, the model's config, the data's fingerprints, the RNG states."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, optional=None,
                  **state):
         self.cfg, self.env, self.data, self.model_config, self.lock = cfg, env, data, model_config, lock
-        self.required = state     # name -> object
-        self.optional = {}        # name -> (object, what stands in when absent, a function that sets it)
-        for name, (obj, when_absent) in (optional or {}).items():  # name -> (object or None, when_absent)
+        self.required, self.optional = state, {}  # name -> object; name -> (object, when absent, start_absent)
+        for name, (obj, when_absent) in (optional or {}).items():
             self.add(name, obj, when_absent=when_absent)
 
     def add(self, name: str, obj, *, when_absent: str, start_absent=lambda: None) -> None:
-        """Register optional state: saved and restored like the rest; a checkpoint without it resumes, with
-        start_absent() called and a note saying `when_absent` (e.g. "the average starts from the weights").
+        """Optional state: a checkpoint without it resumes, calling start_absent(), with a note saying `when_absent`.
         None (an option that is off) registers nothing."""
         if obj is not None:
             self.optional[name] = (obj, when_absent, start_absent)
@@ -618,11 +547,8 @@ class Checkpoint:
         return {**self.required, **{name: obj for name, (obj, _, _) in self.optional.items()}}
 
     def restore(self, found: Found) -> Progress:
-        """Load the checkpoint's state into the registered objects; say what changed. Returns where
-        training stands: the checkpoint's Progress, or a new one (epoch 0) for a new run, which starts
-        from --init-from's weights if given (the model's only: the rest starts afresh). A run that trains then
-        checks the out-dir's room for its next checkpoint (check_room): a full disk is refused now, not after
-        an epoch's work."""
+        """Load the checkpoint's state into the registered objects and return where training stands (a new run:
+        epoch 0, from --init-from's weights if given). A full disk is refused now, not after an epoch's work."""
         if not self.cfg.evaluate:
             self.check_room()
         if found.ckpt is None:
@@ -659,15 +585,13 @@ class Checkpoint:
         return progress
 
     def check_room(self) -> None:
-        """Refuse to start when the out-dir has no room for the next checkpoint, sized by what it will hold
-        (an optimizer's state included before its first step), and best.pt beside it with --val-size. Rank 0
-        checks; every rank raises."""
+        """Refuse to start without room for the next checkpoint (and best.pt with --val-size): rank 0 checks."""
         copies = 2 if self.cfg.val_size else 1
         call_and_agree(check_room, self.cfg.out_dir, self.objects(), copies=copies, here=self.env.is_main)
 
     def save(self, progress: Progress) -> None:
-        """Write a checkpoint. Every rank calls this (it gathers their RNG states); rank 0 writes, unless
-        another run took the out-dir, and all ranks leave together if that write fails."""
+        """Every rank calls this (it gathers their RNG states); rank 0 writes, unless another run took the out-dir;
+        all ranks leave together if that write fails."""
         rng_cpu = all_gather(torch.get_rng_state())
         rng_cuda = all_gather(torch.cuda.get_rng_state(self.env.device)) if self.env.cuda else []
         state = {**{name: obj.state_dict() for name, obj in self.objects().items()},
@@ -690,8 +614,8 @@ class Checkpoint:
 # ------------------------------------------------------------------------- the original script's lines
 
 def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
-    """The original script's first two lines, then the flags that differ from their defaults (get_args_parser's),
-    the batch split and the LR, the data, and notes on what a resumed run changes."""
+    """The original script's first two lines, then the flags that differ from their defaults, the batch split and
+    the LR, the data, and notes."""
     parser = get_args_parser()
     unit = "GPUs" if env.cuda else "CPU processes"
     log(f"Training started with {env.world_size} processes across {cfg.nodes} nodes.")
@@ -713,7 +637,11 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
         f"{sizes}, {spec.num_classes} classes; per-channel mean "
         f"{tuple(round(m, 4) for m in spec.mean)}, std {tuple(round(s, 4) for s in spec.std)}")
     if cfg.patience:
-        log(describe_early_stopping(cfg))
+        split = (f"the validation split (--val-size {cfg.val_size})" if cfg.val_size else
+                 "the test set (no --val-size: the test set then picks the epoch, and its score is no longer "
+                 "an unbiased estimate; --val-size N decides on N held-out training samples)")
+        log(f"Early stopping is on: the run ends once {cfg.patience} epoch{'s' if cfg.patience > 1 else ''} in "
+            f"a row reach accuracy {cfg.target_accuracy:g} on {split}; --patience 0 trains all {cfg.epochs} epochs")
     notes = [*found.notes, *flag_notes(cfg, found.ckpt)]
     if cfg.comm_hook != "none":  # what compressing the all-reduce changes
         from machinery.comm_hooks import comm_hook_notes
@@ -722,20 +650,8 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
         log(f"note: {note}")
 
 
-def describe_early_stopping(cfg) -> str:
-    """The line that says early stopping is on: the rule, the split that decides, and the way to turn it off."""
-    split = (f"the validation split (--val-size {cfg.val_size})" if cfg.val_size else
-             "the test set (no --val-size: the test set then picks the epoch, and its score is no longer "
-             "an unbiased estimate; --val-size N decides on N held-out training samples)")
-    return (f"Early stopping is on: the run ends once {cfg.patience} epoch{'s' if cfg.patience > 1 else ''} in "
-            f"a row reach accuracy {cfg.target_accuracy:g} on {split}; --patience 0 trains all "
-            f"{cfg.epochs} epochs")
-
-
 def flag_notes(cfg, ckpt: dict | None = None) -> list:
-    """What the flags do that a user probably did not mean, each in a line: the LR rule training far below
-    --base-lr for a small batch, a warm-up that takes most of a short run, and a resume with another --epochs
-    that sends the schedule's LR back up (`ckpt`: the checkpoint resumed, if any)."""
+    """What the flags do that a user probably did not mean, a line each (`ckpt`: the checkpoint resumed, if any)."""
     notes = []
     if ckpt is not None and ckpt["config"]["epochs"] != cfg.epochs and cfg.lr_schedule != "constant":
         at, before = ckpt["progress"]["epoch"], ckpt["config"]["epochs"]  # epochs done, the run's length so far

@@ -1,5 +1,4 @@
-"""Samples that do not read (a corrupt, empty or missing file, an image of another shape): the loader passes a
-BadSample in their place, and the ranks agree on them at check_unreadable: skipped, or every rank stops."""
+"""Samples that do not read, passed on as BadSamples that the ranks agree on at check_unreadable: skipped, or stop."""
 import os
 import re
 import traceback
@@ -9,20 +8,21 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Subset
 
-from machinery.errors import UserError, all_gather
+from machinery.errors import UserError, all_gather, all_reduce_max
+from machinery.hashing import seeded
 from machinery.output import log
 
 
 class Share(Subset):
-    """A share of a load_data split (hold_out): a bad sample in it is named by its index in that split."""
+    """A share of a load_data split (hold_out): its bad samples named by their index in that split."""
 
 
 def first_readable(split, name: str, tries: int = 10) -> tuple:
-    """(sample, index) of the first sample that reads, for the image shape; UserError if the first `tries` fail."""
+    """(sample, index) of the first sample that reads; UserError if the first `tries` fail."""
     for i in range(min(tries, len(split))):
         try:
             return split[i], i
-        except Exception as e:  # noqa: BLE001 - any failure to read is said, with where it was raised
+        except Exception as e:  # noqa: BLE001 - said, with where it was raised
             error = bad_sample(split, i, name, describe_exception(e))
     raise UserError(f"load_data's {name} split: none of its first {min(tries, len(split))} samples reads; "
                     f"the last: {error.describe()}; {error.fix}")
@@ -30,8 +30,7 @@ def first_readable(split, name: str, tries: int = 10) -> tuple:
 
 @dataclass(frozen=True)
 class BadSample:
-    """A sample the loader could not take: split, index, file (if the Dataset knows it), why, and the way out;
-    `slot`: its place in the rank's batch. It stands in for the sample until the next check_unreadable."""
+    """A sample the loader could not take, in its place; `slot`: its place in the batch."""
     split: str
     index: int
     file: str | None
@@ -40,23 +39,24 @@ class BadSample:
     slot: int = -1
 
     def describe(self) -> str:
-        split, notes = self.split, [self.file] if self.file else []
-        if split == "validation":  # a training sample that --val-size held out
-            split, notes = "training", notes + ["held out for validation"]
+        held = self.split == "validation"  # a training sample that --val-size held out
+        notes = [note for note in (self.file, "held out for validation" if held else None) if note]
         where = f" ({', '.join(notes)})" if notes else ""
-        return f"{split} sample {self.index}{where}: {self.reason}"
+        return f"{'training' if held else self.split} sample {self.index}{where}: {self.reason}"
 
 
 def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
-    """The BadSample for sample `idx` of `data`: named by its index in load_data's split and by its file."""
-    index = idx
+    """Sample `idx`'s BadSample, named by its index in load_data's split and its file if listed."""
     while isinstance(data, Share):
-        data, index = data.dataset, data.indices[index]
-    file = sample_file(data, index)
-    if file and os.path.basename(file).startswith("._") and not fix:  # a folder unpacked from a Mac's tar
+        data, idx = data.dataset, data.indices[idx]
+    index = idx
+    while isinstance(data, Subset):
+        data, idx = data.dataset, data.indices[idx]
+    samples = getattr(data, "samples", None)  # ImageFolder's (file, label) list
+    file = str(samples[idx][0]) if isinstance(samples, list) and 0 <= idx < len(samples) else None
+    if file and os.path.basename(file).startswith("._") and not fix:  # from a Mac's tar
         fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
-                      f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or read the folder with "
-                      f"dataset_utils.image_folder, which leaves out names that start with '.'"}
+                      f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or use dataset_utils.image_folder"}
     elif file and os.path.islink(file) and not os.path.exists(file) and not fix:
         fix = {"fix": f"it is a symbolic link to {os.readlink(file)}, which does not exist: restore that "
                       f"file, or remove the link"}
@@ -64,9 +64,7 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):
-    """data[idx] as (uint8 image, label) of `shape` (C, H, W) if given (C, None, None: any size, as a transform
-    follows), else a BadSample saying why: an exception in reading it (with where it was raised), or an image of
-    another shape or type."""
+    """data[idx] as (uint8 image, label) of `shape` (None: any) if given, else a BadSample."""
     try:
         image, label = data[idx]
     except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
@@ -74,19 +72,16 @@ def read_sample(data, idx: int, split: str, shape: tuple | None = None):
     if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3
                                   and all(want in (None, got) for want, got in zip(shape, image.shape))):
         want = f"{shape[0]} x H x W" if shape[1] is None else " x ".join(map(str, shape))
-        got = describe_image(image) if isinstance(image, torch.Tensor) else type(image).__name__
         fix = (f"make every image {want}: {resize_fix(data, shape)}" if shape[1] is not None else
                f"give every image {shape[0]} channel(s) in load_data (dataset_utils.image_folder's mode=)")
-        return bad_sample(data, idx, split, f"an image of {got}, not {want} uint8 like the first", fix=fix)
+        return bad_sample(data, idx, split, f"an image of {describe_image(image)}, not {want} uint8 like the first",
+                          fix=fix)
     return image, label
 
 
 def transform_sample(data, idx: int, split: str, transform, image: torch.Tensor, seed: int, shape: tuple):
-    """`image` (sample `idx`) through `transform` with torch's generator seeded by `seed`: a uint8 image of `shape`
-    (the model's input), else a BadSample naming the transform and what it did."""
-    from machinery.hashing import seeded
-    which = "training" if split == "training" else "test"  # --val-size's samples take the test transform
-    what = f"the {which} transform (build_transforms in train_ddp.py)"
+    """`image` through `transform`, seeded: uint8 of `shape`, else a BadSample."""
+    what = f"the {'training' if split == 'training' else 'test'} transform (build_transforms in train_ddp.py)"
     try:
         out = seeded(transform, (image,), seed)
     except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
@@ -96,74 +91,51 @@ def transform_sample(data, idx: int, split: str, transform, image: torch.Tensor,
         want = " x ".join(map(str, shape))
         return bad_sample(data, idx, split, f"{what} returned {describe_image(out)} for its "
                           f"{describe_image(image)} image, not the model's {want} uint8",
-                          fix=f"make it return {want} uint8 for every image (e.g. end with v2.Resize({shape[1]}) "
-                              f"and v2.CenterCrop(({shape[1]}, {shape[2]})))")
+                          fix=f"make it return {want} uint8 (e.g. end with v2.Resize({shape[1]}), v2.CenterCrop("
+                              f"{tuple(shape[1:])}))")
     return out
 
 
 def transform_image(transform, image: torch.Tensor, *, idx: int, split: str, shape: tuple, seed: int):
-    """transform_sample for data held in memory, which are not skipped: UserError in place of a BadSample."""
+    """transform_sample for data in memory, not skipped: UserError for a BadSample."""
     out = transform_sample(None, idx, split, transform, image, seed=seed, shape=shape)
     if not isinstance(out, torch.Tensor):
         raise UserError(f"{out.describe()}; {out.fix}")
     return out
 
 
-def describe_image(image) -> str:
-    """"3 x 32 x 32 uint8" for a tensor, else its type's name."""
+def describe_image(image) -> str:  # "3 x 32 x 32 uint8" for a tensor, else "a module.Type"
     if isinstance(image, torch.Tensor):
         return " x ".join(map(str, image.shape)) + f" {str(image.dtype).removeprefix('torch.')}"
     return f"a {type(image).__module__}.{type(image).__name__}"
 
 
 def resize_fix(split, shape: tuple) -> str:
-    """How to make every image `shape` (C, H, W), in the words of how load_data reads `split` and the other split."""
+    """How to make every image `shape` (C, H, W), in the words of how load_data reads `split`."""
     while isinstance(split, Subset):
         split = split.dataset
     size = f"({shape[1]}, {shape[2]})"
     if hasattr(split, "resize_to"):  # dataset_utils.image_folder's folders
         return f"size={size} in both dataset_utils.image_folder calls of load_data"
-    if isinstance(getattr(split, "images", None), torch.Tensor):  # ImageData: the tensors load_data built
-        return (f"resize both splits' images to {size} in load_data (e.g. torchvision.transforms.v2.functional."
-                f"resize(images, [{shape[1]}, {shape[2]}], antialias=True))")
-    return (f"in load_data, both splits' transform ending in v2.Resize({size}) (e.g. "
-            f"transform=v2.Compose([v2.PILToTensor(), v2.Resize({size})]))")
-
-
-def sample_file(data, idx: int) -> str | None:
-    """The file behind sample `idx` if the Dataset lists files (ImageFolder's `samples`), through Subsets; else None."""
-    while isinstance(data, Subset):
-        data, idx = data.dataset, data.indices[idx]
-    samples = getattr(data, "samples", None) or getattr(data, "imgs", None)
-    if isinstance(samples, (list, tuple)) and 0 <= idx < len(samples):
-        entry = samples[idx]
-        return str(entry[0] if isinstance(entry, (tuple, list)) else entry)
-    return None
+    if isinstance(getattr(split, "images", None), torch.Tensor):  # ImageData
+        return f"resize both splits' images to {size} in load_data (v2.functional.resize(images, {list(shape[1:])}))"
+    return f"in load_data, end both splits' transform with v2.Resize({size})"
 
 
 def describe_exception(e: Exception) -> str:
     """`Type: first line of the message (at file.py:line)`, the line where it was raised."""
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    # PIL: the path again
-    message = re.sub(r" ?<_io\.\w+ name='[^']*'>", "", str(e).splitlines()[0])[:200] if str(e) else ""
+    message = re.sub(r" ?<_io\.\w+ name='[^']*'>", "", str(e).splitlines()[0])[:200] if str(e) else ""  # PIL
     return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
 
 
 def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
-    """Collective: the ranks agree on the BadSamples each `found` since the last check (one small all-reduce, a
-    gather only if any). Each is logged and added to `skipped` (this epoch's), up to `limit`; past it, or for a
-    test sample (the test set is scored whole), every rank raises UserError with the way out. Empties `found`."""
-    if dist.is_initialized():
-        nccl = dist.get_backend() == "nccl"  # NCCL reduces only CUDA tensors: on this rank's GPU (set_device)
-        count = torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")
-        dist.all_reduce(count)
-    else:
-        count = torch.tensor([len(found)])
-    if not count.item():
-        return
-    new = sorted((bad for mine in all_gather(list(found)) for bad in mine),
-                 key=lambda bad: (bad.split, bad.index))
+    """Collective: `found` (emptied) logged and added to `skipped` up to `limit`; past it, or a test one: UserError."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"  # NCCL: CUDA tensors only
+    if not all_reduce_max(torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")).item():
+        return  # one small all-reduce; a gather only if any
+    new = sorted((bad for mine in all_gather(list(found)) for bad in mine), key=lambda bad: (bad.split, bad.index))
     found.clear()
     first = new[0]
     if first.split != "training":
@@ -177,6 +149,5 @@ def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
         log(f"warning: {'unreadable' if over else 'skipped'} {bad.describe()} ({len(skipped)} of at most "
             f"{limit} this epoch)")
     if over:
-        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples "
-                        f"{limit}; the log names them), the latest {new[-1].describe()}; {new[-1].fix}, "
-                        f"or raise --skip-bad-samples")
+        raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples {limit}; the "
+                        f"log names them), the last {new[-1].describe()}; {new[-1].fix}, or raise --skip-bad-samples")

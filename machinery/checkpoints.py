@@ -7,25 +7,21 @@ import shutil
 import sys
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from machinery.errors import UserError, WriteError
 from machinery.files import atomic_write, checkpoint_paths, describe_write_failure
 from machinery.output import log
 
-# What a resume does with a flag (machinery/resume.py): train_utils.py's RESUME_RULES gives each flag one of these, or
-# (one of these, what a checkpoint written before the flag meant).
+# Each flag's rule in RESUME_RULES: one of these, or (one of these, what a checkpoint from before the flag meant).
 DATA, MODEL, RECIPE, NOTED, QUIET = "data", "model", "recipe", "noted", "quiet"
 ANY = object()  # as `before`: any value continues a checkpoint written before the flag
 
 
 def load_latest_checkpoint(out_dir: str, load, keep: int):
-    """The newest checkpoint that load(path) reads (train_utils.find_checkpoint's torch.load), and its path; (None,
-    None) if none. Unreadable ones (truncated, corrupt, pickled code) are skipped with a warning; if none reads,
-    UserError rather than overwrite them."""
+    """The newest checkpoint that load(path) reads and its path, or (None, None); if none reads, a UserError."""
     problems = []
-    for path in checkpoint_paths(out_dir, max(keep, 10)):
-        if not os.path.exists(path):
-            continue
+    for path in filter(os.path.exists, checkpoint_paths(out_dir, max(keep, 10))):
         try:
             ckpt = load(path)
         except Exception as e:
@@ -43,72 +39,43 @@ def load_latest_checkpoint(out_dir: str, load, keep: int):
     return None, None
 
 
-# The format: besides the recipe's registered state (train_utils.Checkpoint), every checkpoint holds where training
-# stands, the config and model it trained, its data's fingerprints, and every rank's RNG states.
-REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
-REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps",
-                        "micro_batch", "micro_batch_size", "lr", "device_type")
-# Where training stands (train_utils.Progress's fields; a unit test holds the two together).
-REQUIRED_PROGRESS_KEYS = ("epoch", "position", "step", "sums", "elapsed_s", "history", "total_time_s",
-                          "total_images", "stopped_early")
-# Added since, with the default that is exact for an older checkpoint: it skipped no unreadable samples.
-OPTIONAL_PROGRESS_KEYS = ("skipped",)
-
-
 def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
-    """WriteError if out_dir lacks room for `copies` more checkpoints of `objects` (name -> object with state_dict();
-    2 where best.pt may also be written): else the run trains to its first save for nothing, again at each restart."""
+    """WriteError unless out_dir has room for `copies` checkpoints of `objects`: never train to a save in vain."""
     need = copies * sum(state_bytes(obj) for obj in objects.values())
     free = shutil.disk_usage(out_dir).free
     if free < need:
         what = "a checkpoint" if copies == 1 else f"{copies} checkpoints"
         raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
                                                 f"{what} of about {need / 2**20:.1f} MiB "
-                                                f"({free / 2**20:.1f} MiB free)",
-                                                out_dir))
+                                                f"({free / 2**20:.1f} MiB free)", out_dir))
 
 
 def state_bytes(obj) -> int:
-    """The bytes of obj.state_dict()'s tensors. An optimizer makes its state at its first step, so before that it is
-    measured on a copy stepped once over CPU stand-ins of the same shapes (Adam's two moments, SGD's momentum)."""
-    if (isinstance(obj, torch.optim.Optimizer)
-            and len(obj.state) < sum(len(g["params"]) for g in obj.param_groups)):
-        params = [p for g in obj.param_groups for p in g["params"]]
+    """obj.state_dict()'s tensor bytes; an optimizer makes its state at its first step, so before that, a copy's
+    stepped once over CPU stand-ins of its parameters (Adam's two moments, SGD's momentum)."""
+    params = [p for g in getattr(obj, "param_groups", ()) for p in g["params"]]
+    if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < len(params):
         try:
-            groups = [{**{k: v for k, v in g.items()
-                          if k not in ("params", "fused", "foreach", "capturable")},
-                       "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True)
-                                  for p in g["params"]]}
+            groups = [{**{k: v for k, v in g.items() if k not in ("params", "fused", "foreach", "capturable")},
+                       "params": [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]}
                       for g in obj.param_groups]
-            for g in groups:
-                for p in g["params"]:
-                    p.grad = torch.zeros_like(p)
+            for p in (p for g in groups for p in g["params"]):
+                p.grad = torch.zeros_like(p)
             obj = type(obj)(groups)
             obj.step()
-        except Exception:  # an optimizer that cannot be stepped so (a closure, sparse gradients, a wrapper):
-            return 2 * tensor_bytes(params)  # two moments per parameter, as Adam keeps, at most as a rule
-    return tensor_bytes(obj.state_dict())
-
-
-def tensor_bytes(tree) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(tensor_bytes(v) for v in tree)
-    return 0
+        except Exception:  # not steppable so (a closure, sparse gradients, a wrapper): as Adam's two moments
+            return 2 * sum(p.numel() * p.element_size() for p in params)
+    return sum(t.numel() * t.element_size() for t in tree_leaves(obj.state_dict()) if isinstance(t, torch.Tensor))
 
 
 def save_checkpoint(out_dir: str, write, keep: int, best: bool = False) -> None:
-    """write(f) (train_utils.Checkpoint.save's torch.save) into a temporary file, shift the older checkpoints down,
-    rename it in; if `best`, also as best.pt. A crash at any point leaves the previous checkpoints loadable."""
+    """write(f) as checkpoint.pt (older ones shifted down), and best.pt if `best`: a crash leaves the last loadable."""
     paths = checkpoint_paths(out_dir, keep)
     for name in os.listdir(out_dir):  # what a write killed halfway left behind (only rank 0 writes)
         if name.startswith((".checkpoint.", ".best.pt.")) and name.endswith(".tmp"):
             os.unlink(os.path.join(out_dir, name))
     if best:  # written first: a checkpoint.pt of this epoch never stands beside an older best.pt
-        atomic_write(os.path.join(out_dir, BEST), write)
+        atomic_write(os.path.join(out_dir, "best.pt"), write)
 
     def shift_older():
         for older, newer in zip(reversed(paths[1:]), reversed(paths[:-1])):
@@ -117,9 +84,6 @@ def save_checkpoint(out_dir: str, write, keep: int, best: bool = False) -> None:
     atomic_write(paths[0], write, before_replace=shift_older)
 
 
-BEST = "best.pt"  # the checkpoint of the best validation accuracy so far (--val-size)
-
-
 def is_best_epoch(history: list) -> bool:
-    """Whether the last epoch of `history` has the best validation accuracy so far (the first of equals)."""
+    """Whether `history`'s last epoch has the best validation accuracy yet (the first of equals)."""
     return bool(history) and all(history[-1]["val_acc"] > m["val_acc"] for m in history[:-1])

@@ -1,10 +1,10 @@
 """The command line: flags parsed once, --recipe's preset under explicit flags, needless tracebacks made one line."""
-from __future__ import annotations
-
 import argparse
 import atexit
+import difflib
 import faulthandler
 import gc
+import re
 import signal
 import sys
 import textwrap
@@ -12,42 +12,31 @@ import textwrap
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from machinery.launch import read_dist_env
-from machinery.output import report_to_launcher
+from machinery.output import is_main_process, report_to_launcher
 
 
 def run_cli(main, parser, recipes: dict, argv=None) -> int:
-    """Run main(args, explicit) (`explicit`: the dests given) with --recipe applied; Ctrl-C before the training loop
-    (later, it is a checkpointed stop) and a hung or dead peer are one line on every rank, not a wall of C++ frames."""
+    """main(args, explicit dests) with --recipe applied; Ctrl-C before the loop, or a hung or dead peer: one line."""
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
-    free_traceback_at_exit()  # a bug's traceback: its frames, the DDP model among them, freed before finalization
     args, explicit = parse_flags(parser, recipes, sys.argv[1:] if argv is None else argv)
     try:
         return record(main)(args, explicit)  # a bug's traceback goes into torchrun's failure report
     except KeyboardInterrupt:
-        line = f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save"
-        print(line, file=sys.stderr, flush=True)
-        report_to_launcher(line)
-        return 130
+        line, status = f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save", 130
     except RuntimeError as e:
         from machinery.diagnose import describe_comm_failure
         if (why := describe_comm_failure(e, args.timeout)) is None:
             raise
-        line = f"error: rank {read_dist_env().rank}: {why}"
-        print(line, file=sys.stderr, flush=True)
-        report_to_launcher(line)
-        return 1
+        line, status = f"error: rank {read_dist_env().rank}: {why}", 1
+    print(line, file=sys.stderr, flush=True)
+    report_to_launcher(line)
+    return status
 
 
+@atexit.register  # on import: once, however often run_cli runs
 def free_traceback_at_exit() -> None:
-    """At exit, while the interpreter is still whole, free the frames of the traceback Python printed (a bug's): they
-    hold the DDP model and through it the process group's threads, which freed during the interpreter's finalization
-    can abort the process after the traceback ("terminate called without an active exception"). A debugger's
-    post-mortem (python -m pdb) has had them by then. Registered once, however often called."""
-    atexit.unregister(_free_printed_traceback)
-    atexit.register(_free_printed_traceback)
-
-
-def _free_printed_traceback() -> None:
+    """Free a printed traceback's frames while the interpreter is whole: they hold the DDP model, whose process
+    group's threads, freed in finalization, can abort the process ("terminate called without...")."""
     if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:  # exc: 3.12+
         sys.last_exc = sys.last_type = sys.last_value = sys.last_traceback = None
         gc.collect()
@@ -55,47 +44,42 @@ def _free_printed_traceback() -> None:
 
 def parse_flags(parser, recipes: dict, argv) -> tuple:
     """(flags, dests given), --recipe NAME's preset (recipes[NAME]: dest -> value) under the given flags, any order."""
-    class Formatter(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
-        """The parser's own, with the epilog's lines kept: one preset per paragraph."""
-    parser.formatter_class = Formatter
-    presets = [textwrap.fill(f"--recipe {name}: {describe_preset(preset)}", 100, subsequent_indent="    ",
-                             break_on_hyphens=False, break_long_words=False)
+    # the parser's own formatter, keeping the epilog's lines: one preset per paragraph
+    parser.formatter_class = type("Formatter", (parser.formatter_class, argparse.RawDescriptionHelpFormatter), {})
+
+    def flag(dest, value):  # as typed: --nesterov, --no-nesterov, --depth 16
+        name = ("--no-" if value is False else "--") + dest.replace("_", "-")
+        return name if isinstance(value, bool) else f"{name} {value}"
+    presets = [textwrap.fill(f"--recipe {name}: {' '.join(flag(d, v) for d, v in preset.items())}", 100,
+                             subsequent_indent="    ", break_on_hyphens=False, break_long_words=False)
                for name, preset in recipes.items()]
-    parser.epilog = "\n".join([textwrap.fill(parser.epilog or "", 100), "", "Presets (flags given win):",
-                               *presets])
-    parser.error = lambda message: refuse_flags(parser, message)  # argparse's error: see below
-    args, given = parse_once(parser, argv)
-    preset = recipes.get(args.recipe, {}) if getattr(args, "recipe", None) else {}
-    unknown = [k for k in preset if not hasattr(args, k)]
-    assert not unknown, f"recipe {args.recipe} sets no such flags: {unknown}"
-    for dest, value in preset.items():
-        if dest not in given:
-            setattr(args, dest, value)
-    return args, given  # the preset's values stay defaults of a kind: --evaluate takes the checkpoint's
+    parser.epilog = "\n".join([textwrap.fill(parser.epilog or "", 100), "", "Presets (flags given win):", *presets])
 
-
-def describe_preset(preset: dict) -> str:
-    """A preset as the flags it sets: `--epochs 200 --nesterov ...`."""
-    def flag(dest, value):
-        name = "--" + dest.replace("_", "-")
-        if value is True or value is False:
-            return name if value else "--no-" + name[2:]
-        return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-    return " ".join(flag(d, v) for d, v in preset.items())
-
-
-def parse_once(parser, argv) -> tuple:
-    """(flags, dests given) from one parse: each dest starts as a marker, left alone unless given, then defaulted.
-    The dests and their defaults are what the parser makes of no flags at all."""
+    def refuse(message: str):
+        """argparse's error as one `error:` line from rank 0, naming the flags a typo may have meant; status 2."""
+        # The long flags the usage line names (argparse keeps its list private), and --help, which it names -h.
+        known = re.findall(r"(?<![\w-])--\w[\w-]*", parser.format_usage()) + ["--help"] * parser.add_help
+        extra = [a.split("=", 1)[0] for a in message.partition("unrecognized arguments:")[2].split()]
+        unknown = list(dict.fromkeys(f for f in extra if f.startswith("--") and f not in known))
+        if unknown:
+            hints = ""
+            for typo in unknown:  # the flags spelled alike (--batchsize), or holding its word (--lr)
+                word = typo[2:].replace("_", "-")
+                alike = difflib.get_close_matches("--" + word, known, n=3, cutoff=0.75)
+                names = alike + [o for o in known if word in o[2:].split("-") and o not in alike][:3 - len(alike)]
+                said = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}" if names else ""
+                hints += f"; {typo + ': ' if len(unknown) > 1 else ''}did you mean {said}?" if said else ""
+            message = f"unknown flag{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hints}"
+        if is_main_process():
+            print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+    parser.error = refuse
+    # Each dest starts as a marker, left alone unless given; the dests and defaults are those of no flags at all.
     unset, defaults = object(), vars(parser.parse_args([]))
     args = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(defaults, unset)))
     given = {dest for dest in defaults if getattr(args, dest) is not unset}
+    preset = recipes.get(args.recipe, {}) if "recipe" in given else {}
+    assert not (bad := preset.keys() - defaults.keys()), f"recipe {args.recipe} sets no such flags: {bad}"
     for dest in defaults.keys() - given:
-        setattr(args, dest, defaults[dest])
-    return args, given
-
-
-def refuse_flags(parser, message: str):
-    """argparse's error, in this script's form (machinery/diagnose.py): one line, exit status 2."""
-    from machinery.diagnose import refuse_flags as refuse
-    refuse(parser, message)
+        setattr(args, dest, preset.get(dest, defaults[dest]))
+    return args, given  # the preset's values stay defaults of a kind: --evaluate takes the checkpoint's

@@ -1,28 +1,21 @@
 """Data checks that need no knowledge of the recipe's data contract: classes, channel statistics."""
-
 import torch
 
 from machinery.errors import UserError
 
 
 def stated_classes(split) -> int | None:
-    """The number of classes a split states: num_classes, or the length of its `classes` list."""
-    if getattr(split, "num_classes", None):
-        return split.num_classes
-    names = class_names(split)
-    return len(names) if names else None
+    """The number of classes a split states: num_classes, or the length of its `classes`."""
+    return getattr(split, "num_classes", None) or len(class_names(split) or ()) or None
 
 
 def class_names(split) -> tuple | None:
-    """The names a split gives its classes, index by index (`classes`, as in torchvision's datasets), if any."""
     names = getattr(split, "classes", None)
     return tuple(map(str, names)) if isinstance(names, (list, tuple)) and len(names) else None
 
 
 def check_same_classes(names, test, source: str) -> None:
-    """UserError unless each class the test split names has its index in `names` (the training split's or the
-    checkpoint's), by its `class_to_idx` if any, else by the order of `classes`. ImageFolder numbers the folders it
-    finds, sorted: a missing or misspelled test folder silently relabels every later class (missing last ones don't)."""
+    """UserError unless each test class has its `names` index (ImageFolder: a missing folder renumbers the rest)."""
     mapping = getattr(test, "class_to_idx", None)
     test_index = ({str(c): i for c, i in mapping.items()} if isinstance(mapping, dict) and mapping else
                   {c: i for i, c in enumerate(class_names(test) or ())})
@@ -34,9 +27,8 @@ def check_same_classes(names, test, source: str) -> None:
 
 
 def channel_stats(images: torch.Tensor) -> tuple:
-    """Per-channel mean and std of uint8 images (N, C, H, W), as fractions of 255 (exact: mean_std_of_sums)."""
-    total = torch.zeros(images.shape[1], dtype=torch.int64)
-    squares = torch.zeros_like(total)
+    """Per-channel mean and std / 255 of uint8 images (N, C, H, W), exact."""
+    total = squares = 0
     for chunk in images.split(4096):  # int64 copies of 4096 images at a time, not of the whole set
         x = chunk.to(torch.int64)
         total += x.sum(dim=(0, 2, 3))
@@ -45,8 +37,7 @@ def channel_stats(images: torch.Tensor) -> tuple:
 
 
 def mean_std_of_sums(total: torch.Tensor, squares: torch.Tensor, count: int) -> tuple:
-    """Per-channel mean and std / 255 from the integer sums of pixels and of squares (`count` per channel): exact,
-    so the same on every rank whatever its threads."""
+    """Per-channel mean and std / 255 from integer sums: exact, the same on every rank."""
     mean = total.double() / count
     std = (squares.double() / count - mean ** 2).clamp_min(0).sqrt()
     std = torch.where(std > 0, std, 255.0)  # a constant channel: leave its scale alone

@@ -1,6 +1,5 @@
-"""--self-check: an adapted recipe's ADAPT places run through the README's guarantees, in short runs of the script
-itself on the CPU (one thread per process), and one line per guarantee. The recipe hands in its script's path and
-build_model; nothing here imports the core."""
+"""--self-check: an adapted recipe's ADAPT places run through the README's guarantees in short CPU runs of the script
+itself (one thread per process), a line per guarantee. The recipe hands in its path and build_model."""
 from __future__ import annotations
 
 import json
@@ -24,9 +23,7 @@ OWN_FLAGS = ["--device", "cpu", "--amp", "off", "--epochs", "2", "--patience", "
              "--checkpoint-every", "0", "--stop-after-epoch", "0", "--keep-checkpoints", "1"]
 DROPPED_FLAGS = {"--self-check", "--compile", "--evaluate", "--tensorboard", "--profile"}  # on or off alone
 RUN_TIMEOUT_S = 300
-# W ranks x 1 against 1 rank x W micro-steps on a CPU: bit for bit with one thread per process (the tests find it);
-# beyond this, more than rounding.
-RTOL, ATOL = 1e-4, 1e-5
+RTOL, ATOL = 1e-4, 1e-5  # 2 ranks x 1 against 1 rank x 2 micro-steps: beyond this, more than rounding
 SPLIT_ERROR = "split differs by rank"  # machinery.resume.check_same_splits' UserError
 GRADIENT_ERROR = "got no gradient"  # train_utils.check_parameters_used's UserError
 SEED_NOTE = "the training transform gave two outputs for one seed"  # machinery.transform_checks' note
@@ -43,16 +40,14 @@ class Run:
     score: dict | None = None  # an evaluation's eval.json
 
     def error_line(self) -> str:
-        """Its one error line: the first `error: ` line, else the last line it wrote to stderr."""
+        """Its first `error: ` line (the project's, or torchrun's copy), else its last on stderr (an exception's)."""
         lines = [line.strip() for line in self.stderr.splitlines() if line.strip()]
-        said = [line for line in lines if line.startswith("error: ")]  # the project's own, or torchrun's copy of it
-        if said:
-            return said[0]
-        return lines[-1] if lines else f"exit status {self.status}"  # a traceback's last line: the exception
+        said = [line for line in lines if line.startswith("error: ")]
+        return (said or lines or [f"exit status {self.status}"])[0 if said else -1]
 
     def describe_failure(self) -> str:
         error = self.error_line()
-        if SPLIT_ERROR in error or GRADIENT_ERROR in error:  # that guarantee's ✗ line gives it whole
+        if SPLIT_ERROR in error or GRADIENT_ERROR in error:  # that guarantee's ✗ line says it
             return f"the run {self.name} failed on another guarantee (its ✗ line)"
         return f"the run {self.name} failed: {error}"
 
@@ -61,8 +56,8 @@ class Run:
 
 
 def run_self_check(script: str, argv: list, *, build_model, spec_type) -> int:
-    """The runs, then one line per guarantee (✔, ✗, or – where the README's rules do not reach); 0 if none is ✗.
-    `argv`: the user's flags; build_model(cfg, spec_type(**data_spec)): the script's, for what its forward draws."""
+    """The runs, then a line per guarantee (✔, ✗, or – where the README's rules do not reach); 0 if none is ✗.
+    `argv`: the user's flags; build_model(cfg, spec_type(**data_spec)): the script's."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         print("error: run --self-check with plain python: it starts the ranks it needs", file=sys.stderr)
         return 2
@@ -82,7 +77,7 @@ def run_self_check(script: str, argv: list, *, build_model, spec_type) -> int:
 
 
 class SelfCheck:
-    """Launches the script as a user would, on the CPU, one thread per process, each run in a folder under root."""
+    """Launches the script as a user would, on the CPU, one thread a process, each run in a folder under root."""
 
     def __init__(self, script: str, argv: list, root: str):
         argv = [a for a in argv if a.split("=", 1)[0] not in DROPPED_FLAGS]
@@ -103,7 +98,7 @@ class SelfCheck:
         return Run(name, proc.returncode, proc.stdout, proc.stderr, out_dir)
 
     def evaluate(self, nproc: int) -> Run:
-        """--evaluate of the run one's checkpoint on nproc ranks, its eval.json read before the next overwrites it."""
+        """--evaluate of the run one's checkpoint on nproc ranks, its eval.json read before the next one's."""
         run = self.launch(f"evaluate-{nproc}", nproc=nproc, extra=["--evaluate"], out_dir="one")
         path = os.path.join(run.out_dir, "eval.json")
         if run.status == 0:
@@ -113,7 +108,7 @@ class SelfCheck:
         return run
 
     def train_stopped(self) -> tuple:
-        """(the run stopped mid-epoch 1 by its stop file, then resumed in its out-dir, or None), or why not."""
+        """(the run stopped mid-epoch 1 by its stop file, then resumed, or None), or why not."""
         stop_file = os.path.join(self.root, "stop")
         open(stop_file, "w").close()  # seen at the first check: step 2 of epoch 1
         stopped = self.launch("stopped", extra=["--checkpoint-every", "2"], env={"DDP_STOP_FILE": stop_file})
@@ -152,7 +147,7 @@ def check_resume(check: SelfCheck, one: Run) -> str:
 
 
 def find_resume_cause(check: SelfCheck, one: Run) -> str:
-    """Why a resumed run differs: the training transform's own check (a note in the run's log), else a repeat of the
+    """Why a resumed run differs: the training transform's check (a note in the log), else a repeat of the
     uninterrupted run, which differs too where randomness escapes the seeds."""
     if SEED_NOTE in one.stdout:
         return ("the training transform draws from a generator the loaders do not seed (Python's random, NumPy, "
@@ -228,8 +223,7 @@ def check_gradients(two: Run) -> str:
 
 
 def forward_draws(config: dict, build_model, spec_type) -> bool:
-    """Whether the model's forward in training draws from torch's generator (dropout): built as the run built it,
-    on two images of the data's shape."""
+    """Whether the model's forward in training draws from torch's generator (dropout), on two images."""
     spec = spec_type(**config["data_spec"])
     torch.manual_seed(0)
     model = build_model(SimpleNamespace(**config), spec).train()
@@ -241,8 +235,8 @@ def forward_draws(config: dict, build_model, spec_type) -> bool:
 
 
 def first_difference(a: dict, b: dict, exact: bool = True):
-    """None if the checkpoints' states (the model's, the optimizer's, the scaler's, the optional ones) are equal bit
-    for bit, else (the first differing key, the largest difference, whether all are within rounding)."""
+    """None if the checkpoints' states are equal bit for bit, else (the first differing key, the largest
+    difference, whether all are within rounding)."""
     names = [name for name in b if name not in NOT_STATE]
     pairs = [pair for name in names for pair in flatten(name, a.get(name), b[name])]
     different = [(key, x, y) for key, x, y in pairs if not same(x, y)]
@@ -258,7 +252,6 @@ def first_difference(a: dict, b: dict, exact: bool = True):
 
 
 def flatten(key: str, a, b):
-    """(key, a's value, b's value) for every leaf of b's state, a's where it has one."""
     if isinstance(b, dict):
         for k, v in b.items():
             yield from flatten(f"{key}.{k}", a.get(k) if isinstance(a, dict) else None, v)

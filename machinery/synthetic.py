@@ -1,13 +1,11 @@
-"""The synthetic data (--dataset synthetic): learnable images of CIFAR-100's shape, no download. Imported for them
-only (dataset_utils.make_synthetic)."""
+"""The synthetic data (--dataset synthetic): learnable images of CIFAR-100's shape, no download."""
 import math
 
 import torch
 
 
 def learnable_images(n: int, train: bool, *, seed: int = 0, num_classes: int) -> tuple:
-    """(uint8 images N x 3 x 32 x 32, int64 labels) whose class can be learned: each class has its own colour and
-    grating (the same in both splits), each image its own noise."""
+    """(uint8 images N x 3 x 32 x 32, int64 labels): a colour and grating per class, noise per image."""
     classes = torch.Generator().manual_seed(1234)  # the class patterns: one set for train and test
     colour = torch.empty(num_classes, 3, 1, 1).uniform_(50, 205, generator=classes)
     freq = torch.randint(1, 4, (num_classes, 2, 1, 1), generator=classes).float()

@@ -12,7 +12,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from machinery.cli import free_traceback_at_exit, parse_flags
+from machinery.cli import parse_flags  # and with it, a bug's traceback freed at exit (bench.py's DDP model)
 from machinery.errors import UserError
 from machinery.launch import read_dist_env
 from machinery.output import log, report_to_launcher
@@ -25,7 +25,6 @@ def run_tool(main, parser, recipes: dict | None = None) -> int:
     `recipes`, --recipe NAME's preset sits under the flags given, as in training (parse_flags). Returns
     main(args)'s status (None: 0)."""
     catch_stop_signals()
-    free_traceback_at_exit()  # a bug's traceback: bench.py's DDP model among its frames
     try:
         args = parser.parse_args() if recipes is None else parse_flags(parser, recipes, sys.argv[1:])[0]
         return record(main)(args) or 0

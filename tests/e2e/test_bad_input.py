@@ -46,7 +46,7 @@ def assert_refused(proc, expected, torchrun=False):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--depth", 12], "--depth: WideResNet depth must be 6n+4"),
+    (["--depth", 12], "--depth must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...), got 12"),
     (["--epochs", 0], "--epochs must be at least 1, got 0"),
     (["--epochs", -3], "--epochs must be at least 1, got -3"),
     (["--target-accuracy", 85], "--target-accuracy is a fraction in [0, 1], got 85.0 (85% is 0.85;"),
@@ -100,9 +100,9 @@ def test_a_temporary_folder_too_long_for_the_loader_workers_socket_is_refused_in
     if hasattr(multiprocessing.util, "_get_base_temp_dir"):  # a Python that moves a socket's folder
         assert proc.returncode == 0 and "Training completed successfully." in proc.stdout, proc.stderr
         return
-    assert_refused(proc, f"the temporary folder {long_tmp} (TMPDIR, 100 bytes) is too long a path for the "
-                         f"DataLoader workers' socket in it (132 bytes; a socket takes 107, so TMPDIR at most 75)")
-    assert "set TMPDIR to a shorter folder (export TMPDIR=/tmp) or run with --workers 0" in proc.stderr
+    assert_refused(proc, f"TMPDIR {long_tmp} (100 bytes) is too long for the DataLoader workers' socket in it "
+                         f"(132 bytes, over 107)")
+    assert "set TMPDIR to at most 75 bytes (export TMPDIR=/tmp) or use --workers 0" in proc.stderr
     assert proc.returncode == 2 and os.listdir(out) == []
 
 

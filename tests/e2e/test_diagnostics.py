@@ -69,9 +69,8 @@ def test_rank_with_slow_data_is_named_with_data_as_the_cause(slow_data_script, t
     assert "input_bound" not in rows[0] and rows[1]["input_bound"].startswith("rank 1 on "), rows[1]
     lines = [line for line in proc.stdout.splitlines() if "does not keep up" in line]
     assert len(lines) == 1 and lines[0].startswith("warning: the loader does not keep up: rank 1 on ")
-    assert lines[0].endswith(": bench.py --loader-check with this run's flags measures it and names the fixes that "
-                             "fit (more --workers, the data on each node's local disk with STAGE_DATA, the other "
-                             "--loader)")
+    assert lines[0].endswith(": bench.py --loader-check with this run's flags names the fixes (more --workers, "
+                             "STAGE_DATA to local disks, the other --loader)")
 
 
 def test_balanced_run_names_no_rank_and_its_split_adds_up_to_the_step_time(slow_data_script, tmp_path):

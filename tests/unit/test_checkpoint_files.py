@@ -19,9 +19,8 @@ import torch
 import dataset_utils as du
 import train_ddp
 from support import ROOT, SCRIPTS
-from machinery.checkpoints import (OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, load_latest_checkpoint,
-                                   save_checkpoint, state_bytes)
-from machinery.resume import check_format, fingerprint
+from machinery.checkpoints import load_latest_checkpoint, save_checkpoint, state_bytes
+from machinery.resume import OPTIONAL_PROGRESS_KEYS, REQUIRED_PROGRESS_KEYS, check_format, fingerprint
 from machinery.errors import UserError
 from machinery.launch import DistEnv
 from train_utils import Checkpoint, Found, Progress, get_args_parser, make_config

@@ -48,8 +48,8 @@ def test_a_half_precision_hook_the_backend_cannot_all_reduce_is_one_line_naming_
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--powersgd-start", "1"], "--powersgd-rank must be at least 1 and --powersgd-start at least 2"),
-    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1 and --powersgd-start at least 2"),
+    (["--powersgd-start", "1"], "--powersgd-start must be at least 2, got 1 (DDP rebuilds its buckets"),
+    (["--powersgd-rank", "0"], "--powersgd-rank must be at least 1, got 0"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be positive, got 0.0"),
 ])
 def test_powersgd_and_bucket_flags_out_of_range_are_refused_in_one_line(flags, says):

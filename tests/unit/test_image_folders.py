@@ -111,7 +111,7 @@ def test_image_folder_refuses_an_empty_class_folder_and_a_class_folder_not_among
                                         f"images, or remove it"):
         du.image_folder(root)
     test = write_folder(tmp_path / "test", ["a", "B"])
-    with pytest.raises(UserError, match=f"{test} holds the class folder 'B', not among the training classes"):
+    with pytest.raises(UserError, match=f"{test} holds the class folder\\(s\\) 'B', not among the training classes"):
         du.image_folder(test, classes=["a", "b"])
     with pytest.raises(UserError, match="cannot read the image folder .*/nowhere"):
         du.folder_classes(tmp_path / "nowhere")
@@ -147,7 +147,7 @@ def test_a_mac_appledouble_file_read_by_a_plain_image_folder_is_named_with_the_w
                                   "training")
     assert isinstance(bad, bad_samples.BadSample) and bad.file.endswith("a/._0.png")
     assert bad.fix.startswith("it is a Mac's AppleDouble metadata file, not an image: delete them (find ")
-    assert "-name '._*' -delete), or read the folder with dataset_utils.image_folder" in bad.fix
+    assert "-name '._*' -delete), or use dataset_utils.image_folder" in bad.fix
     # A ._ file beside every image: they sort first, so none of a class folder's first samples reads.
     for i in range(1, 12):
         Image.new("RGB", (8, 8)).save(root / "a" / f"{i:02d}.png")
@@ -202,20 +202,23 @@ def test_the_data_line_gives_the_size_range_of_the_images_mean_std_read_else_the
         (root / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
         Image.new("L", (side + i % 2, side)).save(root / f"d{i % 2}" / f"{i}.png")
     data = du.image_folder(root, mode="L")
-    assert data_names.describe_sizes(data, 1) == "1 x 14 x 14 (the first)"
+
+    def describe_sizes(split, channels):
+        return data_names.check_sizes(SimpleNamespace(train_size=0, test_size=0), split, None, channels)
+    assert describe_sizes(data, 1) == "1 x 14 x 14 (the first)"
     du.mean_std(data, samples=0)
-    assert data_names.describe_sizes(data, 1) == "1 x 12..16 x 12..17"
+    assert describe_sizes(data, 1) == "1 x 12..16 x 12..17"
     du.mean_std(data, samples=2)  # files 0 and 3: 14 x 14 and 12 x 13
-    assert data_names.describe_sizes(data, 1) == "1 x 12..14 x 13..14 (in the 2 of 6 read)"
-    assert data_names.describe_sizes(du.ImageData(torch.zeros(2, 3, 5, 7, dtype=torch.uint8), torch.zeros(2).long()),
-                             3) == "3 x 5 x 7"
+    assert describe_sizes(data, 1) == "1 x 12..14 x 13..14 (in the 2 of 6 read)"
+    assert describe_sizes(du.ImageData(torch.zeros(2, 3, 5, 7, dtype=torch.uint8), torch.zeros(2).long()),
+                          3) == "3 x 5 x 7"
 
 
 def test_a_size_flag_load_data_did_not_take_is_named_in_a_note(tmp_path, capsys):
     """A load_data that returns all its samples though --train-size or --test-size asked for fewer: a note each."""
     split = du.ImageData(torch.zeros(10, 1, 4, 4, dtype=torch.uint8), torch.zeros(10).long())
-    data_names.note_sizes_not_taken(SimpleNamespace(train_size=4, test_size=10), split, split)
-    data_names.note_sizes_not_taken(SimpleNamespace(train_size=0, test_size=0), split, split)
+    data_names.check_sizes(SimpleNamespace(train_size=4, test_size=10), split, split, 1)
+    data_names.check_sizes(SimpleNamespace(train_size=0, test_size=0), split, split, 1)
     assert capsys.readouterr().out == (
         "note: --train-size 4 does nothing here: load_data returned 10 samples; take the first cfg.train_size in "
         "load_data (dataset_utils.image_folder: samples=cfg.train_size)\n")
@@ -268,7 +271,7 @@ def test_splits_of_two_sizes_without_a_test_transform_are_refused_naming_the_way
         check_transforms(folders, default_crop(36, 40), None)
     assert str(refused.value) == (
         "the training transform (build_transforms in train_ddp.py) gives images of 3 x 36 x 40 but the test images "
-        "(no test transform) of 3 x 40 x 44 (channels x height x width): the model takes one size: size=(36, 40) in "
+        "(no test transform) of 3 x 40 x 44: the model takes one size: size=(36, 40) in "
         "both dataset_utils.image_folder calls of load_data; or a test transform giving it (e.g. v2.Resize(36) and "
         "v2.CenterCrop((36, 40)))")
     assert check_transforms(folders, default_crop(36, 40), v2.Compose([v2.Resize(36), v2.CenterCrop((36, 40))])

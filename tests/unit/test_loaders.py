@@ -146,10 +146,9 @@ def test_the_workers_socket_check_refuses_exactly_the_temporary_folders_a_socket
         loader_workers.check_worker_sockets(2)
     tmpdir = os.path.dirname(too_long)
     assert str(refused.value) == (
-        f"the temporary folder {tmpdir} (TMPDIR, {len(tmpdir)} bytes) is too long a path for the DataLoader "
-        f"workers' socket in it ({longest + 1} bytes; a socket takes {longest}, so TMPDIR at most "
-        f"{len(tmpdir) - 1}): "
-        f"set TMPDIR to a shorter folder (export TMPDIR=/tmp) or run with --workers 0")
+        f"TMPDIR {tmpdir} ({len(tmpdir)} bytes) is too long for the DataLoader workers' socket in it "
+        f"({longest + 1} bytes, over {longest}): set TMPDIR to at most {len(tmpdir) - 1} bytes "
+        f"(export TMPDIR=/tmp) or use --workers 0")
 
     def looked():
         raise AssertionError("looked for the socket's folder without workers")

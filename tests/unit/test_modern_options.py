@@ -162,18 +162,17 @@ def test_init_from_refuses_another_layer_naming_it(tmp_path):
 
 
 def test_recipe_flags_are_checked_in_one_line():
-    from train_utils import check_recipe_args
-    good = dict(model_ema_decay=0.999, clip_grad_norm=None, norm_weight_decay=None, random_erase=0.0,
-                mixup_alpha=0.0, cutmix_alpha=0.0, val_size=0)
-    check_recipe_args(argparse.Namespace(**good))
-    for change, says in ((dict(model_ema_decay=1.0), "--model-ema-decay"),
-                         (dict(clip_grad_norm=0.0), "--clip-grad-norm"),
-                         (dict(random_erase=1.5), "--random-erase"),
-                         (dict(mixup_alpha=-1.0), "--mixup-alpha"),
-                         (dict(val_size=-2), "--val-size"),
-                         (dict(norm_weight_decay=-1.0), "--norm-weight-decay")):
+    from train_utils import check_args, get_args_parser
+    good = get_args_parser().parse_args([])
+    check_args(good, 1, torch.device("cpu"))
+    for change, says in ((dict(model_ema_decay=1.0), "--model-ema-decay is the average's decay"),
+                         (dict(clip_grad_norm=0.0), "--clip-grad-norm must be positive"),
+                         (dict(random_erase=1.5), "--random-erase is a probability"),
+                         (dict(mixup_alpha=-1.0), "--mixup-alpha must not be negative"),
+                         (dict(val_size=-2), "--val-size must not be negative"),
+                         (dict(norm_weight_decay=-1.0), "--norm-weight-decay must not be negative")):
         with pytest.raises(UserError, match=says):
-            check_recipe_args(argparse.Namespace(**{**good, **change}))
+            check_args(argparse.Namespace(**{**vars(good), **change}), 1, torch.device("cpu"))
 
 
 def test_best_pt_is_written_only_at_an_epoch_better_than_every_one_before():

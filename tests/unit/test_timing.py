@@ -1,12 +1,12 @@
-"""The slow-rank line (machinery.rank_times.find_slow_rank): a rank is named when its own time per step (all
+"""The slow-rank line (machinery.timing.find_slow_rank): a rank is named when its own time per step (all
 but waiting on the others) exceeds the median of the other ranks' by more than 10% (with two ranks, the
 other's) and by a second or more over the epoch, with the phase that makes most of the difference; waiting
 (sync) never makes a rank slow. The input-bound line (find_input_bound): a rank waiting for data most of its step."""
 import pytest
+import torch
 
-from machinery.rank_times import (INPUT_BOUND_SHARE, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, find_input_bound,
-                                  find_slow_rank)
-from machinery.timing import PHASES
+from machinery.timing import (INPUT_BOUND_SHARE, PHASES, SLOW_RANK_FLOOR_S, SLOW_RANK_THRESHOLD, StepLog,
+                              find_input_bound, find_slow_rank)
 
 
 def rank(r, host="node1", steps=400, **seconds):
@@ -94,15 +94,13 @@ def clock(monkeypatch):
 
 
 def sums(loss=1.0):
-    """What the recipe passes: a function that reads the epoch's mean loss so far."""
-    return lambda: loss
-
+    """What the recipe passes: the epoch's loss sum so far and its sample count."""
+    return (loss, 1.0)
 
 def test_the_eta_leaves_out_the_first_step_s_start_up_and_the_first_line_says_so(clock, capsys):
     """A first step of 100 s (start-up), then 1 s a step: the ETA is 1 s a step, not 104 s over 5."""
-    from machinery.timing import ProgressLines
-    lines = ProgressLines(every=4, epochs=3)
-    lines.start()
+    lines = StepLog(4, torch.device("cpu"), epochs=3)
+    lines.mark("start")
     clock.now = 100.0
     lines.update(1, 1, 10, 32, sums(), t0=0.0)
     for step in range(2, 6):
@@ -117,15 +115,14 @@ def test_the_eta_leaves_out_the_first_step_s_start_up_and_the_first_line_says_so
 
 def test_the_progress_line_s_run_eta_is_this_epoch_s_rest_then_each_epoch_left_with_its_evaluation(
         clock, capsys):
-    from machinery.timing import ProgressLines
-    lines = ProgressLines(every=5, epochs=3)
+    lines = StepLog(5, torch.device("cpu"), epochs=3)
     for epoch in (1, 2):
-        lines.start()
+        lines.mark("start")
         for step in range(1, 6):  # 1 s a step
             clock.now += 1.0
             lines.update(epoch, step, 10, 32 * step, sums(), t0=0.0)
         clock.now += 5.0  # the rest of the epoch
-        lines.clear()
+        lines.mark("end")
         clock.now += 4.0  # its evaluation and checkpoint took 4 s
     out = capsys.readouterr().out.splitlines()
     assert out[1] == "  epoch 1 step 5/10 | 32 img/s | loss 1.0000 | epoch ETA 5 s | run ETA 25 s"

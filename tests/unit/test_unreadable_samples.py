@@ -95,6 +95,6 @@ def test_a_dataset_the_loader_workers_cannot_take_is_refused_in_one_line_naming_
     train, _ = support.build_loaders(data, data, batch_size=4, rank=0, world_size=1, accum_steps=1,
                                      eval_batch=4, seed=0, workers=1, pin_memory=False)
     train.batch_sampler.set_epoch(1)
-    with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*top "
-                                        r"level of a module.*--workers 0"):
+    with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*make its "
+                                        r"class top-level, or use --workers 0"):
         list(train)
