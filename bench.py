@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dataset_utils as du
 import train_ddp
 import train_utils as utils
+from machinery.comm_hooks import torch_comm_hook
 from machinery.errors import UserError, all_gather
 from machinery.files import write_json
 from machinery.launch import cpus_per_rank
@@ -147,7 +148,7 @@ def wrap(model, args, env, compile_model: bool, step_log=None, mode=None):
         model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                     gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb,
                     static_graph=args.static_graph, **utils.NO_FORWARD_BUFFER_SYNC)
-        state, hook = utils.comm_hook(args, env)
+        state, hook = torch_comm_hook(args, env)
         hook = step_log.timed_hook(hook) if step_log is not None else hook
         if hook is not None:
             model.register_comm_hook(state, hook)

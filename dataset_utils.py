@@ -1,8 +1,7 @@
-"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources (load_split,
-image_folder), the DDP samplers (ShardSampler: torch's DistributedSampler unpadded; StepSampler: a step's
-micro-batches), the loaders. Images stay uint8 until `Normalize` on the device. Each image's augmentation draws from
-a seed of (seed, epoch, index), each micro-batch's mixing from (seed, epoch, step, virtual rank): the same for any
-number of ranks or workers, resumed or not. The one op kept here is the device loader's batched crop and flip."""
+"""The data, in the order an adapter meets them: the contract (ImageData, DataSpec), the sources, the DDP samplers
+(ShardSampler: torch's DistributedSampler unpadded; StepSampler: a step's micro-batches), the loaders. Images stay
+uint8 until `Normalize` on the device. Each image's augmentation draws from mix64(seed, epoch, index), each
+micro-batch's mix from (seed, epoch, step, virtual rank): the same for any ranks or workers, resumed or not."""
 import functools
 import itertools
 import numbers
@@ -13,10 +12,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, de
 
 from machinery.data_checks import channel_stats, check_same_classes, class_names, stated_classes
 from machinery.errors import UserError, call_and_agree
-from machinery.hashing import mix64, seeded  # seeded(transform, inputs, seed): torch's generator seeded
+from machinery.hashing import mix64, seeded
 
 
-# CIFAR-100's classes and its training set's per-channel statistics.
 CIFAR100_CLASSES = 100
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -24,14 +22,13 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 @dataclass
 class ImageData:
-    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,); what it does not state,
-    measure_data computes (mean and std: fractions of 255). Too large for memory: use a Dataset."""
+    """One split held in memory: `images` uint8 (N, C, H, W), `labels` int64 (N,); measure_data computes the rest."""
     images: torch.Tensor
     labels: torch.Tensor
     num_classes: int | None = None
-    mean: tuple | None = None
+    mean: tuple | None = None  # fractions of 255, as std
     std: tuple | None = None
-    source: str | None = None  # where the images came from, for the records (e.g. "CIFAR-100 in ./datasets")
+    source: str | None = None  # for the records, e.g. "CIFAR-100 in ./datasets"
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -41,27 +38,18 @@ class ImageData:
 class DataSpec:
     """What the data say of themselves; the model, normalisation and augmentation follow it (kept in checkpoints)."""
     channels: int
-    height: int  # the (first) training image's size: images of a Dataset may differ, the transforms decide
+    height: int  # the first training image's: a Dataset's may differ
     width: int
     num_classes: int
     mean: tuple
     std: tuple
-    classes: tuple | None = None  # the classes' names, index by index, where the training split names them
+    classes: tuple | None = None  # the training split's class names, if it names them
 
-    def shape(self) -> dict:
-        return {"channels": self.channels, "height": self.height, "width": self.width,
-                "num_classes": self.num_classes}
-
-
-# ----------------------------------------------------------------------------- CIFAR-100 on disk
 
 def prepare_cifar100(data_dir: str, env=None) -> None:
-    """Make sure data_dir/cifar-100-python/ exists, on one process per node (the data dir may be node-local) while
-    the others wait; every rank raises why not. `env`: None for a lone process."""
-    from machinery.cifar_archive import fetch_cifar100  # CIFAR-100's files: loaded for CIFAR-100 only
-    if env is None:
-        return fetch_cifar100(data_dir)
-    call_and_agree(fetch_cifar100, data_dir, here=env.local_rank == 0)
+    """Make data_dir/cifar-100-python/ on one process per node (the data dir may be node-local); all raise why not."""
+    from machinery.cifar_archive import fetch_cifar100  # imported for CIFAR-100 only
+    call_and_agree(fetch_cifar100, data_dir, here=env is None or env.local_rank == 0)
 
 
 def make_synthetic(n: int, train: bool, seed: int = 0) -> ImageData:
@@ -82,18 +70,14 @@ def load_split(dataset: str, data_dir: str, train: bool, size: int = 0) -> Image
         full = ImageData(images, labels, num_classes=CIFAR100_CLASSES, mean=CIFAR100_MEAN, std=CIFAR100_STD,
                          source=f"CIFAR-100 in {data_dir}")
     if size > len(full):
-        split = "train" if train else "test"
-        raise UserError(f"--{split}-size {size} exceeds the {len(full)} {split} samples of {dataset}")
-    if size > 0:  # what the data state of themselves (classes, statistics) stays
+        raise UserError(f"--{'train' if train else 'test'}-size {size} exceeds the {len(full)} samples of {dataset}")
+    if size > 0:  # the stated classes and statistics stay
         full = replace(full, images=full.images[:size].clone(), labels=full.labels[:size].clone())
     return full
 
 
-# ------------------------------------------------------------------ image folders, for a load_data of your own
-
 def folder_classes(root) -> list:
-    """The classes of an image folder root/<class>/<image>, sorted, hidden ones left out: give them to image_folder
-    for both splits, so that labels mean the same."""
+    """The classes of root/<class>/<image>, sorted, hidden ones left out: give both splits' image_folder them."""
     from machinery.image_folders import folder_classes as classes_of
     return classes_of(root)
 
@@ -106,13 +90,10 @@ def image_folder(root, classes: list | None = None, mode: str = "RGB", size=None
 
 
 def mean_std(split, samples: int = 2000) -> tuple:
-    """Per-channel mean and std (fractions of 255) of a Dataset, from exact integer sums over `samples` images spread
-    evenly (0: all): the same on every rank."""
+    """Per-channel mean and std / 255 of a Dataset, exact (the same on every rank), of `samples` spread (0: all)."""
     from machinery.image_folders import mean_std as stats_of
     return stats_of(split, samples)
 
-
-# ------------------------------------------------------------------ what load_data returned, checked
 
 def measure_data(train, test) -> DataSpec:
     """The DataSpec of load_data's splits, as stated, else computed exactly (a Dataset must state its mean and std).
@@ -120,9 +101,8 @@ def measure_data(train, test) -> DataSpec:
     check_same_classes(class_names(train), test, "the training split")  # first: it reads no sample
     shape, test_shape = check_split(train, "training"), check_split(test, "test")
     if test_shape[0] != shape[0]:  # sizes may differ: the transforms make the model's (check_transforms)
-        raise UserError(f"load_data returned training images of {' x '.join(map(str, shape))} but test "
-                        f"images of {' x '.join(map(str, test_shape))} (channels x height x width): both "
-                        f"splits must have one number of channels; give both {shape[0]} in load_data")
+        raise UserError(f"load_data gives {shape[0]}-channel training images, {test_shape[0]}-channel test images: "
+                        f"both splits must have one number of channels; give both {shape[0]} in load_data")
     labels = [(name, split, split.labels if isinstance(split, ImageData) else getattr(split, "targets", None))
               for split, name in ((train, "training"), (test, "test"))]
     num_classes = stated_classes(train) or stated_classes(test)
@@ -141,9 +121,8 @@ def measure_data(train, test) -> DataSpec:
     mean, std = getattr(train, "mean", None), getattr(train, "std", None)
     if mean is None or std is None:
         if not isinstance(train, ImageData):
-            raise UserError(f"load_data's training {type(train).__name__} states no per-channel mean and "
-                            f"std, and computing them would read all of it: set its .mean and .std (tuples "
-                            f"of {shape[0]} fractions of 255) in load_data")
+            raise UserError(f"load_data's training {type(train).__name__} states no per-channel mean and std (it "
+                            f"would be read whole): set its .mean and .std ({shape[0]} fractions of 255) in load_data")
         mean, std = channel_stats(train.images)
     if len(mean) != shape[0] or len(std) != shape[0] or min(std) <= 0:
         raise UserError(f"load_data states mean {tuple(mean)} and std {tuple(std)}: each needs {shape[0]} "
@@ -159,11 +138,11 @@ class CheckedData:
     test: object
     spec: DataSpec
     fingerprints: dict
-    device: object  # where the loaders keep the data: a torch.device, or None for DataLoader workers
-    val: object = None  # --val-size: the training samples held out to validate on (hold_out)
-    source: str = ""  # what load_data returned and where from, for the records (describe_source)
-    draws: str = ""  # where the training augmentation draws from (build_loaders), kept in checkpoints
-    sizes: str = ""  # the training images' sizes for the Data line: `3 x 32 x 32`, or a range (check_sizes)
+    device: object  # a torch.device, or None for DataLoader workers
+    val: object = None  # --val-size's held-out training samples (hold_out)
+    source: str = ""  # for the records (describe_source)
+    draws: str = ""  # the training augmentation's draws (build_loaders), kept in checkpoints
+    sizes: str = ""  # for the Data line: `3 x 32 x 32`, or a range (check_sizes)
 
 
 def load_checked_data(load_data, cfg, env, found, train: bool = True) -> CheckedData:
@@ -172,18 +151,16 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
     train_data, test_data = call_and_agree(load_data, cfg, env, train)
     if train:
         spec = call_and_agree(measure_data, train_data, test_data)
-        shape = spec.shape()
-    else:  # the test split alone: its images' size may differ from the first training image's (the transforms
-        # make the model's), so the channels are what must match; the fingerprint checks the images themselves
+        shape = {k: getattr(spec, k) for k in ("channels", "height", "width", "num_classes")}
+    else:  # the channels must match (the transforms make the model's size); the fingerprint checks the images
         shape = {"channels": call_and_agree(check_split, test_data, "test")[0]}
         spec = DataSpec(**found.ckpt["config"]["data_spec"])
         call_and_agree(check_same_classes, spec.classes, test_data, "the checkpoint's training split")
     splits = {"train": train_data, "test": test_data} if train else {"test": test_data}
-    from machinery.resume import check_same_splits, fingerprint  # fingerprint: a short hash of the samples
+    from machinery.resume import check_same_data, check_same_splits, fingerprint
     fingerprints = {name: fingerprint(split) for name, split in splits.items()}
     check_same_splits(fingerprints)  # on every rank: the samplers share one split out
     if found is not None and found.ckpt is not None:  # never continue on other data
-        from machinery.resume import check_same_data
         call_and_agree(check_same_data, found, shape, fingerprints)
     device = loader_device(cfg, env, *splits.values())
     source = describe_source(train_data if train else test_data)
@@ -196,21 +173,18 @@ def load_checked_data(load_data, cfg, env, found, train: bool = True) -> Checked
 
 
 def loader_device(cfg, env, *splits):
-    """env.device to keep ImageData there (--loader gpu, or auto on CUDA), or None for DataLoader workers, checked
-    that they can start here. The same on every rank: the splits are."""
+    """env.device to keep ImageData there (--loader gpu, or auto on CUDA), else None: DataLoader workers, checked."""
     in_memory = all(isinstance(s, ImageData) for s in splits)  # a Dataset is read by the workers
     if cfg.loader == "gpu" and not in_memory:
-        other = next(type(s).__name__ for s in splits if not isinstance(s, ImageData))
-        raise UserError(f"--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data "
-                        f"returned a {other}: use --loader torch (or auto)")
+        raise UserError("--loader gpu needs the data in memory (dataset_utils.ImageData), but load_data returned a "
+                        "Dataset: use --loader torch (or auto)")
     if in_memory and (cfg.loader == "gpu" or (cfg.loader == "auto" and env.device.type == "cuda")):
         return env.device
     from machinery.loader_workers import check_worker_sockets
     call_and_agree(check_worker_sockets, cfg.num_workers)
 
 
-def describe_source(split) -> str:
-    """What load_data returned and where from, for the records."""
+def describe_source(split) -> str:  # for the records
     while isinstance(split, Subset):
         split = split.dataset
     if isinstance(split, ImageData):
@@ -229,37 +203,32 @@ def hold_out(train, size: int) -> tuple:
     if isinstance(train, ImageData):
         return (replace(train, images=train.images[kept], labels=train.labels[kept]),
                 replace(train, images=train.images[held], labels=train.labels[held]))
-    from machinery.bad_samples import Share  # a share whose unreadable samples are named by their index in `train`
+    from machinery.bad_samples import Share  # its bad samples named by their index in `train`
     return Share(train, kept.tolist()), Share(train, held.tolist())
 
 
 def check_split(split, name: str) -> tuple:
-    """(channels, height, width) of a split's images; UserError unless it is ImageData or a Dataset of (uint8 C x H x W
-    tensor, integer label)."""
+    """(channels, height, width) of a split's images; UserError if the loaders cannot take it."""
     if isinstance(split, ImageData):
         images, labels = split.images, split.labels
         if (images.dtype != torch.uint8 or images.dim() != 4 or labels.dtype != torch.int64
                 or labels.shape != (len(images),)):
-            raise UserError(f"load_data's {name} ImageData holds images {tuple(images.shape)} {images.dtype} "
-                            f"and labels {tuple(labels.shape)} {labels.dtype}: it needs uint8 images "
-                            f"(N, C, H, W) and int64 labels (N,)")
-        if len(images) == 0:
-            raise UserError(f"load_data's {name} split is empty")
-        return tuple(images.shape[1:])
-    if not (hasattr(split, "__getitem__") and hasattr(split, "__len__")):
+            raise UserError(f"load_data's {name} ImageData: images {tuple(images.shape)} {images.dtype}, labels "
+                            f"{tuple(labels.shape)} {labels.dtype}; needs uint8 images (N, C, H, W), int64 labels (N,)")
+    elif not (hasattr(split, "__getitem__") and hasattr(split, "__len__")):
         raise UserError(f"load_data returned a {type(split).__name__} as the {name} split: return "
                         f"dataset_utils.ImageData, or a Dataset of (uint8 C x H x W tensor, label)")
     if len(split) == 0:
         raise UserError(f"load_data's {name} split is empty")
-    from machinery.bad_samples import first_readable  # a Dataset's samples may not read: machinery/bad_samples.py
+    if isinstance(split, ImageData):
+        return tuple(split.images.shape[1:])
+    from machinery.bad_samples import first_readable  # samples may not read
     item, first = first_readable(split, name)
     image, label = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
     integer_label = isinstance(label, numbers.Integral) or (
         isinstance(label, torch.Tensor) and label.dim() == 0 and not label.is_floating_point())
-    if (not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3)
-            or not integer_label):
-        got = (f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} "
-               f"{getattr(image, 'dtype', '')}").strip()
+    if not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3 and integer_label):
+        got = f"{type(image).__name__} {tuple(getattr(image, 'shape', ()))} {getattr(image, 'dtype', '')}".strip()
         raise UserError(f"load_data's {name} {type(split).__name__} yields ({got}, {type(label).__name__}) "
                         f"as item {first}: it must yield (uint8 tensor C x H x W, integer label); for image "
                         f"files, ImageFolder(root, transform=torchvision.transforms.v2.PILToTensor())")
@@ -267,9 +236,8 @@ def check_split(split, name: str) -> tuple:
 
 
 class ShardSampler:
-    """torch's DistributedSampler (rank r takes positions r, r + num_replicas, ... of the epoch's order), with two
-    additions: no padding (torch repeats samples until every rank has as many; here every sample counts once), and
-    start_at(start), after set_epoch: the epoch's positions from `start` on (a resumed epoch's rest)."""
+    """torch's DistributedSampler (rank r takes positions r, r + num_replicas, ... of the epoch's order), unpadded
+    (each sample counts once), and start_at(start), after set_epoch: the epoch from `start` on (a resumed epoch's)."""
 
     def __init__(self, sampler: DistributedSampler):
         self.sampler, self.size, self.num_replicas = sampler, len(sampler.dataset), sampler.num_replicas
@@ -285,8 +253,7 @@ class ShardSampler:
         self.start, self.sampler.rank = start, (start + self.virtual_rank) % self.num_replicas
 
     def __iter__(self):
-        torch_rank, total = self.sampler.rank, self.sampler.total_size
-        positions = range(torch_rank, total, self.num_replicas)  # in the epoch's order, padding past it
+        positions = range(self.sampler.rank, self.sampler.total_size, self.num_replicas)  # torch pads past self.size
         return (i for p, i in zip(positions, self.sampler) if self.start <= p < self.size)
 
     def __len__(self) -> int:
@@ -294,10 +261,10 @@ class ShardSampler:
 
 
 class StepSampler:
-    """The training loader's batch sampler: for each global step, this rank's micro-batches, one from each of its
-    virtual ranks' shards, as (epoch, index) keys. Step s covers positions [start + s x batch, start + (s + 1) x
-    batch) of the epoch's order whatever the world size, so a resume on any number of ranks or batch size trains
-    exactly the samples the epoch has not seen. The short last step is dealt alike: every rank takes as many steps."""
+    """The training loader's batch sampler: each global step, this rank's micro-batches (one per virtual rank's shard)
+    as (epoch, index) keys. Step s covers positions [start + s x batch, start + (s + 1) x batch) of the epoch's order
+    for any world size, so a resume on any ranks or batch size trains exactly the samples the epoch has not seen. The
+    short last step is dealt alike: every rank takes as many steps."""
 
     def __init__(self, shards: list, *, batch_size: int):
         self.shards, self.batch_size, self.num_samples = shards, batch_size, shards[0].size
@@ -336,15 +303,10 @@ class StepSampler:
 
 
 def deal_step(step_samples: int, rank: int, world_size: int, accum_steps: int) -> list:
-    """The positions of a step that `rank`'s micro-steps take, one range each: micro-step k is virtual rank
-    v = rank + k x world_size and takes every V-th position from v (V = world_size x accum_steps)."""
+    """A step's positions for `rank`'s micro-steps: micro-step k, virtual rank v = rank + k x world_size, every V-th
+    from v (V = world_size x accum_steps)."""
     v = world_size * accum_steps
     return [range(rank + k * world_size, step_samples, v) for k in range(accum_steps)]
-
-
-# ----------------------------------------------- the augmentation's seeds, and the device loader's crop and flip
-
-_SALT_MIX = 3  # the micro-batch's seed, apart from the images'
 
 
 class Mix:
@@ -357,17 +319,15 @@ class Mix:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, *, epoch: int, position: int,
                  micro_sizes: list) -> tuple:
-        out_images, out_labels = [], []
+        out = []
         for k, (x, y) in enumerate(zip(images.split(micro_sizes), labels.split(micro_sizes))):
-            key = mix64(mix64(self.seed, epoch, position + self.rank + k * self.world_size), _SALT_MIX, 0)
-            x, y = (seeded(self.batch_transform, (x.float(), y), key) if len(y)  # an empty micro-batch: as it is
-                    else (x.float(), y.new_zeros(0, self.num_classes, dtype=torch.float32)))
-            out_images.append(x)
-            out_labels.append(y)
-        return torch.cat(out_images), torch.cat(out_labels)
+            key = mix64(mix64(self.seed, epoch, position + self.rank + k * self.world_size), 3, 0)  # 3: not the images'
+            out.append(seeded(self.batch_transform, (x.float(), y), key) if len(y)  # an empty micro-batch: as it is
+                       else (x.float(), y.new_zeros(0, self.num_classes, dtype=torch.float32)))
+        return torch.cat([x for x, _ in out]), torch.cat([y for _, y in out])
 
     def mix_step(self, loader, step: int, images: torch.Tensor, labels: torch.Tensor) -> tuple:
-        """The training loader's `step`-th batch of this pass, mixed within each micro-batch."""
+        """The training loader's `step`-th batch of this pass."""
         sampler = loader.batch_sampler
         position = sampler.start + step * sampler.batch_size  # where the step starts in the epoch's order
         _, micro_sizes = loader.step_split(position)
@@ -391,8 +351,7 @@ def crop_padding(height: int, width: int) -> tuple:
 
 
 def crop_flip_batch(images: torch.Tensor, idx: torch.Tensor, h: torch.Tensor, pad: tuple) -> torch.Tensor:
-    """The images `idx` of the padded uint8 tensor, each cropped back at an offset drawn from its hash h and maybe
-    mirrored: gathers on the device."""
+    """Images `idx` of the padded uint8 tensor, cropped at offsets drawn from hashes h, maybe mirrored: gathers."""
     pad_y, pad_x = pad
     dx, dy, flip = (h & 0xFFFF) % (2 * pad_x + 1), ((h >> 16) & 0xFFFF) % (2 * pad_y + 1), (h >> 32) & 1
     height, width = images.shape[-2] - 2 * pad_y, images.shape[-1] - 2 * pad_x
@@ -413,7 +372,7 @@ class ImageDataset(Dataset):
         self.data, self.transform, self.seed, self.split = data, transform, seed, split
         self.in_memory = isinstance(data, ImageData)
         first, any_size = tuple(data.images.shape[1:]) if self.in_memory else None, False
-        if not self.in_memory:  # the workers read it: a sample that does not read comes as a BadSample
+        if not self.in_memory:  # read by the workers: an unreadable sample comes as a BadSample
             from machinery.bad_samples import first_readable
             first = tuple(first_readable(data, split)[0][0].shape)
             # photos through your transform; the default crop is for images of the data's size
@@ -463,8 +422,7 @@ def build_loaders(data, cfg, env, transforms=(None, None, None)) -> tuple:
     batched = (in_memory_train and isinstance(train_tf, CropFlip)
                and train_tf.size == tuple(data.train.images.shape[2:]))
     if in_memory_train and train_tf is not None and not batched:
-        device = where_transform_runs(train_tf, data.train.images[0], device=device, loader=cfg.loader,
-                                      workers=cfg.num_workers)
+        device = where_transform_runs(device=device, loader=cfg.loader, workers=cfg.num_workers)
     if device is None:  # DataLoader workers: the transforms must pickle; a Dataset's transform said where it runs
         workers_take(data.train, train_tf, test_tf, workers=cfg.num_workers)
     test = build_test_loader(data.test, cfg, env, device=device, transform=test_tf, shape=shape)
@@ -533,11 +491,10 @@ class AgreedLoader:
 
     def __iter__(self):
         from machinery.loader_workers import start_workers  # a stop signal sent to all reaches the rank alone
-        batches = start_workers(self.loader)
-        for step, (images, labels, unreadable) in enumerate(batches):
+        for step, (images, labels, unreadable) in enumerate(start_workers(self.loader)):
             self.gaps = unreadable
             self.found += unreadable
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (Mix)
+            if self.mix is not None:
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
         self.check()
@@ -552,25 +509,21 @@ class AgreedLoader:
 
 
 class DeviceLoader:
-    """The whole split on the device as uint8 (CIFAR-100: 184 MB), each batch gathered and augmented there: no CPU
-    workers, no copies. The torch loader's samples; the default crop and flip batched, another transform per image
-    with the torch loader's seeds. For data that do not fit: --loader torch."""
+    """The whole split on the device as uint8 (CIFAR-100: 184 MB), each batch gathered and augmented there: the torch
+    loader's samples and seeds, the default crop and flip batched. For data that do not fit: --loader torch."""
 
     def __init__(self, data: ImageData, device, sampler=None, indices=None, batch_size: int = 0,
                  seed: int = 0, transform=None, mix=None, batched_crop_flip: bool = False,
                  split: str = "training", shape=None):
-        self.sampler, self.batch_size, self.seed, self.mix = sampler, batch_size, seed, mix
-        self.batch_sampler = sampler  # as DataLoader names it
-        self.transform, self.split = transform, split
+        self.sampler = self.batch_sampler = sampler  # batch_sampler: as DataLoader names it
+        self.batch_size, self.seed, self.mix, self.transform, self.split = batch_size, seed, mix, transform, split
         self.shape = tuple(shape or data.images.shape[1:])  # what `transform` must return (check_transforms')
-        self.pad = None
-        images = data.images
-        if batched_crop_flip:  # the default training transform (CropFlip), batched
+        self.pad, images = None, data.images
+        if batched_crop_flip:  # CropFlip, batched
             self.pad = crop_padding(*images.shape[-2:])  # padded once, up front
             images = torch.nn.functional.pad(images, (self.pad[1], self.pad[1], self.pad[0], self.pad[0]))
         self.images, self.labels = images.to(device), data.labels.to(device)
-        self.indices = (None if indices is None
-                        else torch.as_tensor(list(indices), dtype=torch.int64, device=device))
+        self.indices = None if indices is None else torch.as_tensor(list(indices), dtype=torch.int64, device=device)
 
     def __len__(self):
         return len(self.sampler) if self.sampler is not None else -(-len(self.indices) // self.batch_size)
@@ -593,16 +546,14 @@ class DeviceLoader:
             for idx in self.indices.split(self.batch_size):
                 yield self.per_image(idx, 0), self.labels[idx]
             return
-        steps = list(self.sampler)  # the epoch's whole order goes to the device at once: one copy, not one per step
+        steps = list(self.sampler)  # the epoch's order to the device at once: one copy, not one per step
         order = torch.tensor([i for keys in steps for _, i in keys], dtype=torch.int64).to(self.images.device)
-        epoch = self.sampler.epoch
-        h = mix64(self.seed, epoch, order)
-        sizes = [len(keys) for keys in steps]
-        for step, (idx, hs) in enumerate(zip(order.split(sizes), h.split(sizes))):
+        epoch, sizes = self.sampler.epoch, [len(keys) for keys in steps]
+        for step, (idx, hs) in enumerate(zip(order.split(sizes), mix64(self.seed, epoch, order).split(sizes))):
             images = (crop_flip_batch(self.images, idx, hs, self.pad) if self.pad is not None
                       else self.per_image(idx, epoch))
             labels = self.labels[idx]
-            if self.mix is not None:  # mixup/cutmix within each micro-batch (Mix)
+            if self.mix is not None:
                 images, labels = self.mix.mix_step(self, step, images, labels)
             yield images, labels
 
@@ -612,7 +563,7 @@ class Normalize(torch.nn.Module):
 
     def __init__(self, mean, std, device, channels_last: bool = False):
         super().__init__()
-        std = torch.tensor(std, device=device).view(1, -1, 1, 1)  # one value per channel
+        std = torch.tensor(std, device=device).view(1, -1, 1, 1)
         self.scale = 1.0 / (255.0 * std)
         self.shift = torch.tensor(mean, device=device).view(1, -1, 1, 1) / std
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format

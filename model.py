@@ -1,10 +1,7 @@
-"""Wide Residual Network (Zagoruyko & Komodakis, 2016, https://arxiv.org/abs/1605.07146).
-
-WRN-d-k has three groups of n = (d - 4) / 6 pre-activation basic blocks with 16k, 32k and 64k channels: the CIFAR
-variant of the paper's reference code (BN-ReLU before each 3x3 conv, optional dropout between the two convs, a 1x1
-projection shortcut wherever the block changes the shape). ADAPT: for your own network, replace `build_model` and
-`model_config` in train_ddp.py; nothing else depends on this file (train_utils.ARG_RULES' --depth rule is WRN's).
-"""
+"""Wide Residual Network (Zagoruyko & Komodakis, 2016, https://arxiv.org/abs/1605.07146): WRN-d-k has three groups
+of n = (d - 4) / 6 pre-activation basic blocks (BN-ReLU before each 3x3 conv, optional dropout between the two, a 1x1
+projection where the shape changes) of 16k, 32k and 64k channels, as the paper's CIFAR code. Your own network replaces
+`build_model` and `model_config` in train_ddp.py; nothing else depends on this file."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

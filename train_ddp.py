@@ -31,6 +31,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dataset_utils
 import train_utils as utils
 from machinery.cli import run_cli
+from machinery.comm_hooks import torch_comm_hook
 from machinery.errors import UserError, all_gather, leave_on_user_error
 from machinery.launch import DistEnv, host_name, read_launcher, rendezvous
 from machinery.lock import lock_out_dir
@@ -104,8 +105,7 @@ class Training:
 
 
 def build_training(cfg, env, data) -> Training:
-    """The model, optimizer, scaler, loss, loaders and normalisation: one build path for train(), --evaluate and
-    bench.py. `data`: dataset_utils.load_checked_data's."""
+    """The model, optimizer, scaler, loss, loaders and normalisation: one path for train(), --evaluate and bench.py."""
     device = env.device
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg, data.spec)
@@ -351,7 +351,7 @@ def wrap_ddp(model, cfg, env, step_log) -> DDP:
                 **utils.NO_FORWARD_BUFFER_SYNC)
     # torch's hooks (torch.distributed.algorithms.ddp_comm_hooks): fp16_compress_hook or bf16_compress_hook (half
     # the bytes), or powerSGD_hook with its PowerSGDState (a low-rank approximation); (None, None): DDP's own.
-    state, hook = utils.comm_hook(cfg, env)
+    state, hook = torch_comm_hook(cfg, env)
     hook = step_log.timed_hook(hook)  # None: neither a hook nor timing, DDP's built-in C++ all-reduce
     if hook is not None:
         model.register_comm_hook(state, hook)
@@ -405,8 +405,7 @@ def choose_kernels(*, deterministic: bool) -> None:
 
 
 def main(args, explicit=frozenset()) -> int:
-    """Join the others, take the out-dir, find the checkpoint, make the config, train (or evaluate); tear down. A
-    UserError: every rank out, one line from rank 0, exit 2 (74: a write)."""
+    """Join, lock the out-dir, find the checkpoint, make the config, train or evaluate, tear down (UserError: 2)."""
     if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
         from machinery.self_check import run_self_check  # imported only here: a training run never needs it
         return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,

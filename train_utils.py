@@ -16,19 +16,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from machinery.checkpoints import (ANY, DATA, MODEL, NOTED, QUIET, RECIPE, check_room, is_best_epoch,
                                    load_latest_checkpoint, save_checkpoint)
-from machinery.errors import UserError, agree_on_error, all_gather, all_reduce_max, call_and_agree
-from machinery.files import describe_position, try_write
+from machinery.errors import UserError, all_gather, all_reduce_max, call_and_agree
+from machinery.files import describe_position, write_on_main
 from machinery.launch import DistEnv, default_workers
 from machinery.output import log
 from machinery.signals import StopRequest
 
 __all__ = [  # what this file defines for the recipe, in its order (the recipe imports machinery's names from there)
     "RECIPES", "get_args_parser", "RESUME_RULES", "check_args", "RunConfig", "make_config",
-    "lr_factor", "NO_FORWARD_BUFFER_SYNC", "comm_hook", "step_stats", "LossCheck", "check_parameters_used",
+    "lr_factor", "NO_FORWARD_BUFFER_SYNC", "step_stats", "LossCheck", "check_parameters_used",
     "RunChecks", "Progress", "Found", "find_checkpoint", "Checkpoint", "log_start"]
 
-
-# ------------------------------------------------------------------------- the flags, presets and resume rules
 
 # The WRN paper's CIFAR-100 recipe (Zagoruyko & Komodakis 2016: WRN-16-8, 79.6% top-1; x0.2 at 60/120/160), at batch
 # 512 by the linear rule with 5 warm-up epochs; the whole schedule, always: no early stopping (--patience 0).
@@ -171,14 +169,10 @@ def get_args_parser() -> argparse.ArgumentParser:
 # (RULE, before): what a checkpoint written before the flag meant (None: off; ANY: any value continues it).
 # A flag added to get_args_parser needs its line here (a unit test checks).
 RESUME_RULES = {
-    # the original script's flags
     "batch_size": NOTED, "epochs": NOTED, "base_lr": NOTED, "target_accuracy": NOTED, "patience": NOTED,
-    # model
     "depth": MODEL, "widen_factor": MODEL, "dropout": NOTED,
-    # data
     "dataset": DATA, "data_dir": QUIET, "train_size": DATA, "test_size": DATA, "loader": QUIET, "workers": QUIET,
     "skip_bad_samples": QUIET,
-    # optimisation and schedule
     "micro_batch": NOTED, "reference_batch_size": NOTED, "lr_scaling": NOTED, "lr_schedule": NOTED,
     "warmup_epochs": NOTED, "momentum": NOTED, "nesterov": NOTED, "weight_decay": NOTED,
     "label_smoothing": NOTED, "sync_bn": NOTED, "find_unused_parameters": QUIET,
@@ -186,11 +180,9 @@ RESUME_RULES = {
     # (powersgd) the gradients, so a change is noted; PowerSGD restarts on every resume (machinery/comm_hooks.py)
     "bucket_cap_mb": QUIET, "comm_hook": (NOTED, "none"), "powersgd_rank": (NOTED, ANY),
     "powersgd_start": (NOTED, ANY),
-    # the modern recipe
     "model_ema": RECIPE, "model_ema_decay": (RECIPE, ANY), "clip_grad_norm": RECIPE, "auto_augment": RECIPE,
     "random_erase": RECIPE, "mixup_alpha": RECIPE, "cutmix_alpha": RECIPE, "norm_weight_decay": RECIPE,
     "tta": QUIET, "val_size": (DATA, 0), "init_from": QUIET,
-    # the run
     "recipe": NOTED, "out_dir": QUIET, "seed": DATA, "device": QUIET, "amp": QUIET, "timeout": QUIET,
     "log_every": QUIET, "checkpoint_every": QUIET, "keep_checkpoints": QUIET, "stop_after_epoch": QUIET,
     "evaluate": QUIET, "self_check": QUIET, "compile": QUIET, "compile_mode": QUIET, "tensorboard": QUIET,
@@ -199,31 +191,25 @@ RESUME_RULES = {
 }
 
 
-# ------------------------------------------------------------------------- the argument checks
-
 # Each flag's range, checked by check_args: (flags, the test a value passes, what it must be, a hint).
 ARG_RULES = [
     (("depth",), lambda v: v >= 10 and (v - 4) % 6 == 0, "must be 6n+4 with n >= 1 (10, 16, 22, 28, 40, ...)", ""),
     (("epochs", "widen_factor", "reference_batch_size", "keep_checkpoints", "powersgd_rank"), lambda v: v >= 1,
      "must be at least 1", ""),
     (("train_size", "test_size", "warmup_epochs", "weight_decay", "stop_after_epoch", "checkpoint_every",
-      "skip_bad_samples"), lambda v: v >= 0, "must not be negative", ""),
-    (("norm_weight_decay",), lambda v: v >= 0, "must not be negative", " (leave it out: --weight-decay for all)"),
-    (("mixup_alpha", "cutmix_alpha", "val_size"), lambda v: v >= 0, "must not be negative", " (0: off)"),
+      "skip_bad_samples", "norm_weight_decay", "mixup_alpha", "cutmix_alpha", "val_size"), lambda v: v >= 0,
+     "must not be negative", ""),
     (("target_accuracy",), lambda v: 0 <= v <= 1, "is a fraction in [0, 1]",
      " (85% is 0.85; to train every epoch, turn early stopping off with --patience 0)"),
     (("random_erase",), lambda v: 0 <= v <= 1, "is a probability in [0, 1]", ""),
     (("dropout", "label_smoothing"), lambda v: 0 <= v < 1, "must lie in [0, 1)", ""),
-    (("base_lr", "bucket_cap_mb"), lambda v: v > 0, "must be positive", ""),
-    (("clip_grad_norm",), lambda v: v > 0, "must be positive", " (leave it out for no clipping)"),
+    (("base_lr", "bucket_cap_mb", "clip_grad_norm"), lambda v: v > 0, "must be positive", ""),
     (("patience",), lambda v: v >= 0, "is a number of epochs in a row at the target",
      " (0: no early stopping, every epoch trained)"),
     (("micro_batch",), lambda v: v >= 1, "is the most samples per forward on one rank, at least 1",
      " (leave it out for no cap)"),
-    (("model_ema_decay",), lambda v: 0 < v < 1, "is the average's decay per reference batch, in (0, 1)",
-     " (0.999: the last ~1,000 reference batches weigh most)"),
-    (("powersgd_start",), lambda v: v >= 2, "must be at least 2",
-     " (DDP rebuilds its buckets after the first step, which PowerSGD's state must follow)"),
+    (("model_ema_decay",), lambda v: 0 < v < 1, "is the average's decay per reference batch, in (0, 1)", ""),
+    (("powersgd_start",), lambda v: v >= 2, "must be at least 2", " (DDP rebuilds its buckets after step 1)"),
 ]
 
 
@@ -248,12 +234,9 @@ def check_args(args, world_size: int, device: torch.device) -> None:
                             "(or pip install -e '.[tensorboard]')") from None
 
 
-# ----------------------------------------------------------- what the world makes of the flags, computed once
-
 @dataclass(frozen=True, eq=False)
 class RunConfig:
-    """Every flag and what this run's world makes of them, built once, stored in config.json and checkpoints.
-    cfg.epochs reads flags["epochs"]."""
+    """Every flag (cfg.epochs reads flags["epochs"]) and what this run's world makes of them, built once."""
     flags: dict              # every flag, after --recipe and what a resumed checkpoint rules
     world_size: int          # ranks in all
     nodes: int               # hosts they run on
@@ -314,14 +297,11 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) 
 
 
 def auto_amp(device: torch.device):
-    """--amp auto: bf16 on Ampere (8.0) or newer (is_bf16_supported() also says yes where it is emulated), else
-    fp16 on older GPUs; full fp32 on CPUs."""
+    """--amp auto: bf16 from Ampere (8.0; is_bf16_supported() says yes where it is emulated), fp16 before; CPU: fp32."""
     if device.type != "cuda":
         return None
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
 
-
-# ------------------------------------------------------------------------- the LR schedule
 
 def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, schedule: str) -> float:
     """Multiplier of the peak LR for a step from `start` to `end` epochs done (in samples: a resume with another
@@ -336,21 +316,11 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# ------------------------------------------------------------- DDP's option, the loss sums
-
 # DDP's broadcast of the buffers before every forward, off: forward_sync_buffers since torch 2.14 (broadcast_buffers
 # before, deprecated there).
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
                           else {"broadcast_buffers": False})
-
-
-def comm_hook(cfg, env: DistEnv) -> tuple:
-    """--comm-hook as DDP.register_comm_hook takes it, (state, hook); (None, None): DDP's built-in all-reduce."""
-    if cfg.comm_hook == "none":
-        return None, None
-    from machinery.comm_hooks import torch_comm_hook
-    return torch_comm_hook(cfg, env)
 
 
 # The epoch's sums, one float64 device tensor (one all-reduce sums them all): the loss over finite losses, their
@@ -361,8 +331,7 @@ EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_
 
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
                grad_norm: torch.Tensor | None = None):
-    """A share of the epoch's sums (EPOCH_SUMS): a micro-batch's summed loss over n samples and its `correct` count,
-    or a step's gradient norm, counted on rank 0 alone (all ranks have it). Device tensors: nothing waits."""
+    """A micro-batch's share of EPOCH_SUMS, or a step's gradient norm (on rank 0 alone): device tensors, no wait."""
     value = loss_sum if grad_norm is None else grad_norm
     finite = torch.isfinite(value).double()
     kept = torch.where(finite > 0, value.double(), 0.0)
@@ -375,8 +344,8 @@ def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: tor
 
 
 class LossCheck:
-    """Whether the training loss went NaN or infinite on any rank: any such sample stops the run; with fp16's grad
-    scaler (`allow_nonfinite`), which skips the odd overflowing step, only most samples since the last check do."""
+    """A NaN or infinite loss on any rank stops the run; with fp16's scaler (`allow_nonfinite`), which skips the odd
+    overflowing step, only most samples since the last check being so does."""
 
     def __init__(self, device: torch.device, *, allow_nonfinite: bool):
         self.device, self.allow_nonfinite, self.previous = device, allow_nonfinite, None
@@ -397,17 +366,14 @@ class LossCheck:
             return
         if self.allow_nonfinite:
             raise UserError("the training loss was NaN or infinite in most fp16 steps since the last check: "
-                            "training diverged, and stopped before saving; lower --base-lr, raise "
-                            "--warmup-epochs or use --amp bf16, then run again to resume from the last "
-                            "checkpoint")
-        raise UserError("the training loss became NaN or infinite, so training stopped before saving "
-                        "anything from it (the last checkpoint is intact): lower --base-lr or raise "
-                        "--warmup-epochs")
+                            "it diverged, and stopped before saving; lower --base-lr, raise --warmup-epochs or use "
+                            "--amp bf16, then resume")
+        raise UserError("the training loss became NaN or infinite, so training stopped before saving it (the last "
+                        "checkpoint is intact): lower --base-lr or raise --warmup-epochs")
 
 
 def check_parameters_used(model) -> None:
-    """A collective after a step under DDP: UserError on every rank naming the parameters that got no gradient,
-    where DDP would fail at the next forward in a traceback per rank ("Expected to have finished reduction")."""
+    """A collective after a DDP step: UserError naming parameters with no gradient (else a traceback per rank)."""
     ddp = getattr(model, "_orig_mod", model)
     if not isinstance(ddp, DDP) or ddp.find_unused_parameters:
         return
@@ -417,30 +383,24 @@ def check_parameters_used(model) -> None:
         params = dict(ddp.module.named_parameters())
         values = sum(params[name].numel() for name in unused)
         shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got "
-                        f"no gradient: DDP needs every parameter in the loss of every step; use them in the "
-                        f"loss or remove them from the model, or pass --find-unused-parameters (DDP then "
-                        f"searches the autograd graph after every forward for them, which costs time in "
-                        f"every step)")
+        raise UserError(f"the model's parameters {shown} ({len(unused)} tensors, {values:,} values) got no "
+                        f"gradient: DDP needs every parameter in every step's loss; use them or remove them, or "
+                        f"pass --find-unused-parameters (which costs DDP a search of the graph every step)")
 
 
 class RunChecks(StopRequest):
-    """What ends a run, agreed by every rank at once: a stop request (a signal or the stop file, caught while `with`
-    holds), a non-finite loss (LossCheck), samples that do not read (the loader's check)."""
+    """What ends a run, agreed by every rank at once: a stop request, a non-finite loss, unreadable samples."""
 
     def __init__(self, loader, device, *, allow_nonfinite: bool):
         super().__init__()
         self.loader, self.device, self.loss = loader, device, LossCheck(device, allow_nonfinite=allow_nonfinite)
 
     def check(self, sums) -> bool:
-        """Collectives, at the same steps on every rank, before any checkpoint: raises for unreadable samples past
-        the limit or a NaN loss on any rank; True on every rank if any was asked to stop."""
+        """Collectives, at the same steps on every rank, before any checkpoint: True on all if any was asked to stop."""
         self.loader.check()
         self.loss.check(sums)
         return super().check(self.device)
 
-
-# ------------------------------------------------------------------------- where training stands
 
 @dataclass
 class Progress:
@@ -457,8 +417,7 @@ class Progress:
     skipped: list = field(default_factory=list)  # that epoch's unreadable samples skipped so far
 
     def finish_epoch(self, epoch: int, val: dict, *, lr: float, cfg, timing: dict, eval_s: float = 0.0) -> dict:
-        """Close a trained and evaluated epoch: its row of metrics.jsonl (the training sums, the test metrics `val`,
-        the LR, the times, `timing`: every rank's split), kept in the history. Returns the row."""
+        """Close a trained and evaluated epoch: its row of metrics.jsonl, kept in the history and returned."""
         sums, before = dict(zip(EPOCH_SUMS, self.sums)), self.history[-1] if self.history else {}
         count = sums["samples"]
         # The run's seconds so far, resumes included (a checkpoint from before these fields: its epochs' times).
@@ -486,8 +445,6 @@ class Progress:
         return metrics
 
 
-# ------------------------------------------------------------------------- what a checkpoint holds
-
 @dataclass
 class Found:
     """The checkpoint a run continues (or --evaluate scores), or none: a new run."""
@@ -504,8 +461,7 @@ class Found:
 
 
 def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
-    """The checkpoint this run continues, the newest in --out-dir that loads, and the flags to continue it with; every
-    rank raises why it cannot (an older format, a flag `rules` refuses to change, another device type)."""
+    """The newest checkpoint in --out-dir that loads and the flags to continue it with; every rank raises why not."""
     def load(path):  # every rank reads it; weights_only: tensors and plain data, never pickled code
         return torch.load(path, map_location=env.device, weights_only=True)
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, load, args.keep_checkpoints)  # newest that loads
@@ -526,9 +482,8 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
 
 
 class Checkpoint:
-    """What a checkpoint holds, registered once: `state` (name=object with state_dict() and load_state_dict()) is
-    required; state an option adds later goes in `optional` (name: (object, what stands in for it in an older
-    checkpoint)). Besides: Progress, the config, the model's config, the data's fingerprints, the RNG states."""
+    """What a checkpoint holds: `state` (name=object with state_dict()) is required; an option's later state goes in
+    `optional` (name: (object, what stands in for it in an older checkpoint)); then Progress, config, RNG states."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, optional=None,
                  **state):
@@ -538,8 +493,7 @@ class Checkpoint:
             self.add(name, obj, when_absent=when_absent)
 
     def add(self, name: str, obj, *, when_absent: str, start_absent=lambda: None) -> None:
-        """Optional state: a checkpoint without it resumes, calling start_absent(), with a note saying `when_absent`.
-        None (an option that is off) registers nothing."""
+        """Optional state (None: an option off): a checkpoint without it resumes, calling start_absent(), noted."""
         if obj is not None:
             self.optional[name] = (obj, when_absent, start_absent)
 
@@ -547,8 +501,7 @@ class Checkpoint:
         return {**self.required, **{name: obj for name, (obj, _, _) in self.optional.items()}}
 
     def restore(self, found: Found) -> Progress:
-        """Load the checkpoint's state into the registered objects and return where training stands (a new run:
-        epoch 0, from --init-from's weights if given). A full disk is refused now, not after an epoch's work."""
+        """Load the checkpoint's state and return where training stands (a new run: epoch 0, --init-from's weights)."""
         if not self.cfg.evaluate:
             self.check_room()
         if found.ckpt is None:
@@ -590,8 +543,7 @@ class Checkpoint:
         call_and_agree(check_room, self.cfg.out_dir, self.objects(), copies=copies, here=self.env.is_main)
 
     def save(self, progress: Progress) -> None:
-        """Every rank calls this (it gathers their RNG states); rank 0 writes, unless another run took the out-dir;
-        all ranks leave together if that write fails."""
+        """Every rank calls this (it gathers their RNG states); rank 0 writes, unless another run took the out-dir."""
         rng_cpu = all_gather(torch.get_rng_state())
         rng_cuda = all_gather(torch.cuda.get_rng_state(self.env.device)) if self.env.cuda else []
         state = {**{name: obj.state_dict() for name, obj in self.objects().items()},
@@ -602,20 +554,15 @@ class Checkpoint:
         out_dir, what = self.cfg.out_dir, f"the checkpoint {describe_position(**asdict(progress))}"
         # --val-size: an epoch's end with the best validation accuracy so far is also best.pt
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
-        error = None
-        if self.env.is_main:  # every rank holds the same weights: rank 0 alone writes them
-            def write(f):  # into a temporary file, renamed over checkpoint.pt once whole (older ones shifted down)
-                torch.save(state, f)
-            error = try_write(lambda: save_checkpoint(out_dir, write, self.cfg.keep_checkpoints, best=best),
-                              what=what, out_dir=out_dir, lock=self.lock)
-        agree_on_error(error)  # every rank learns whether it worked: if not, all leave together, in one line
+        def write(f):  # into a temporary file, renamed over checkpoint.pt once whole (older ones shifted down)
+            torch.save(state, f)
+        # Every rank holds the same weights: rank 0 alone writes them; if that fails, every rank leaves in one line.
+        write_on_main(self.env, lambda: save_checkpoint(out_dir, write, self.cfg.keep_checkpoints, best=best),
+                      what=what, out_dir=out_dir, lock=self.lock)
 
-
-# ------------------------------------------------------------------------- the original script's lines
 
 def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
-    """The original script's first two lines, then the flags that differ from their defaults, the batch split and
-    the LR, the data, and notes."""
+    """The original script's first two lines, then the flags changed, the batch split, the LR, the data, notes."""
     parser = get_args_parser()
     unit = "GPUs" if env.cuda else "CPU processes"
     log(f"Training started with {env.world_size} processes across {cfg.nodes} nodes.")

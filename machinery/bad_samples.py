@@ -1,4 +1,4 @@
-"""Samples that do not read, passed on as BadSamples that the ranks agree on at check_unreadable: skipped, or stop."""
+"""Samples that do not read: BadSamples, skipped or stopped on by all ranks (check_unreadable)."""
 import os
 import re
 import traceback
@@ -14,11 +14,11 @@ from machinery.output import log
 
 
 class Share(Subset):
-    """A share of a load_data split (hold_out): its bad samples named by their index in that split."""
+    """A share of a load_data split (hold_out): its bad samples named by their index in it."""
 
 
 def first_readable(split, name: str, tries: int = 10) -> tuple:
-    """(sample, index) of the first sample that reads; UserError if the first `tries` fail."""
+    """(sample, index) of the first sample that reads, of the first `tries`; else UserError."""
     for i in range(min(tries, len(split))):
         try:
             return split[i], i
@@ -30,7 +30,7 @@ def first_readable(split, name: str, tries: int = 10) -> tuple:
 
 @dataclass(frozen=True)
 class BadSample:
-    """A sample the loader could not take, in its place; `slot`: its place in the batch."""
+    """A sample the loader could not take, in its place (`slot` in the batch)."""
     split: str
     index: int
     file: str | None
@@ -46,13 +46,13 @@ class BadSample:
 
 
 def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
-    """Sample `idx`'s BadSample, named by its index in load_data's split and its file if listed."""
+    """Sample `idx`'s BadSample, named by its index in load_data's split, and its file."""
     while isinstance(data, Share):
         data, idx = data.dataset, data.indices[idx]
     index = idx
     while isinstance(data, Subset):
         data, idx = data.dataset, data.indices[idx]
-    samples = getattr(data, "samples", None)  # ImageFolder's (file, label) list
+    samples = getattr(data, "samples", None)  # ImageFolder's (file, label)s
     file = str(samples[idx][0]) if isinstance(samples, list) and 0 <= idx < len(samples) else None
     if file and os.path.basename(file).startswith("._") and not fix:  # from a Mac's tar
         fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
@@ -64,18 +64,17 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
 
 
 def read_sample(data, idx: int, split: str, shape: tuple | None = None):
-    """data[idx] as (uint8 image, label) of `shape` (None: any) if given, else a BadSample."""
+    """data[idx] as (uint8 image, label), of `shape` if given (None: any); else a BadSample."""
     try:
         image, label = data[idx]
-    except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
+    except Exception as e:  # noqa: BLE001 - named, with where it was raised
         return bad_sample(data, idx, split, describe_exception(e))
     if shape is not None and not (isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.dim() == 3
                                   and all(want in (None, got) for want, got in zip(shape, image.shape))):
         want = f"{shape[0]} x H x W" if shape[1] is None else " x ".join(map(str, shape))
-        fix = (f"make every image {want}: {resize_fix(data, shape)}" if shape[1] is not None else
-               f"give every image {shape[0]} channel(s) in load_data (dataset_utils.image_folder's mode=)")
         return bad_sample(data, idx, split, f"an image of {describe_image(image)}, not {want} uint8 like the first",
-                          fix=fix)
+                          fix=f"make every image {want}: {resize_fix(data, shape)}" if shape[1] is not None else
+                          f"give every image {shape[0]} channel(s) in load_data (dataset_utils.image_folder's mode=)")
     return image, label
 
 
@@ -84,15 +83,15 @@ def transform_sample(data, idx: int, split: str, transform, image: torch.Tensor,
     what = f"the {'training' if split == 'training' else 'test'} transform (build_transforms in train_ddp.py)"
     try:
         out = seeded(transform, (image,), seed)
-    except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
+    except Exception as e:  # noqa: BLE001 - named, with where it was raised
         return bad_sample(data, idx, split, f"{what} failed on its {describe_image(image)} image: "
                           f"{describe_exception(e)}", fix=f"make {what} take every image")
     if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and tuple(out.shape) == tuple(shape)):
         want = " x ".join(map(str, shape))
         return bad_sample(data, idx, split, f"{what} returned {describe_image(out)} for its "
                           f"{describe_image(image)} image, not the model's {want} uint8",
-                          fix=f"make it return {want} uint8 (e.g. end with v2.Resize({shape[1]}), v2.CenterCrop("
-                              f"{tuple(shape[1:])}))")
+                          fix=f"make it return {want} uint8 for every image (e.g. end with v2.Resize({shape[1]}) "
+                              f"and v2.CenterCrop(({shape[1]}, {shape[2]})))")
     return out
 
 
@@ -110,8 +109,7 @@ def describe_image(image) -> str:  # "3 x 32 x 32 uint8" for a tensor, else "a m
     return f"a {type(image).__module__}.{type(image).__name__}"
 
 
-def resize_fix(split, shape: tuple) -> str:
-    """How to make every image `shape` (C, H, W), in the words of how load_data reads `split`."""
+def resize_fix(split, shape: tuple) -> str:  # in the words of how load_data reads `split`
     while isinstance(split, Subset):
         split = split.dataset
     size = f"({shape[1]}, {shape[2]})"
@@ -123,7 +121,7 @@ def resize_fix(split, shape: tuple) -> str:
 
 
 def describe_exception(e: Exception) -> str:
-    """`Type: first line of the message (at file.py:line)`, the line where it was raised."""
+    """`Type: its message's first line (at file.py:line)`, where it was raised."""
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
     message = re.sub(r" ?<_io\.\w+ name='[^']*'>", "", str(e).splitlines()[0])[:200] if str(e) else ""  # PIL
@@ -131,11 +129,12 @@ def describe_exception(e: Exception) -> str:
 
 
 def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
-    """Collective: `found` (emptied) logged and added to `skipped` up to `limit`; past it, or a test one: UserError."""
+    """Collective: `found` (emptied) logged into `skipped`; UserError past `limit` or for a test sample."""
     nccl = dist.is_initialized() and dist.get_backend() == "nccl"  # NCCL: CUDA tensors only
     if not all_reduce_max(torch.tensor([len(found)], device=torch.cuda.current_device() if nccl else "cpu")).item():
         return  # one small all-reduce; a gather only if any
-    new = sorted((bad for mine in all_gather(list(found)) for bad in mine), key=lambda bad: (bad.split, bad.index))
+    new = sorted((bad for mine in all_gather(list(found)) for bad in mine),
+                 key=lambda bad: (bad.split, bad.index))
     found.clear()
     first = new[0]
     if first.split != "training":
@@ -146,8 +145,7 @@ def check_unreadable(found: list, *, skipped: list, limit: int) -> None:
     over = len(skipped) + len(new) > limit
     for bad in new:  # each named, those past the limit too
         skipped.append(bad.describe())
-        log(f"warning: {'unreadable' if over else 'skipped'} {bad.describe()} ({len(skipped)} of at most "
-            f"{limit} this epoch)")
+        log(f"warning: {'unreadable' if over else 'skipped'} {skipped[-1]} ({len(skipped)}, at most {limit} an epoch)")
     if over:
         raise UserError(f"more than {limit} unreadable training samples this epoch (--skip-bad-samples {limit}; the "
                         f"log names them), the last {new[-1].describe()}; {new[-1].fix}, or raise --skip-bad-samples")

@@ -1,5 +1,4 @@
 """Checkpoint files: written whole, newest first; the format; the newest that loads; room for the next."""
-from __future__ import annotations
 
 import errno
 import os
@@ -24,35 +23,30 @@ def load_latest_checkpoint(out_dir: str, load, keep: int):
     for path in filter(os.path.exists, checkpoint_paths(out_dir, max(keep, 10))):
         try:
             ckpt = load(path)
+            if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
+                raise TypeError("not a checkpoint of this script")
         except Exception as e:
-            problems.append(f"{path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})")
-            continue
-        if not isinstance(ckpt, dict) or "model" not in ckpt or "progress" not in ckpt:
-            problems.append(f"{path} is not a checkpoint of this script")
+            problems.append(f"{path} cannot be loaded ({type(e).__name__}: {str(e).partition(chr(10))[0]})")
             continue
         for p in problems:
             log(f"warning: {p}; using the older {path}", file=sys.stderr)
         return ckpt, path
     if problems:
-        raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move the checkpoint files "
-                        f"away to start afresh")
+        raise UserError(f"no usable checkpoint in {out_dir}: {problems[0]}; move them away to start afresh")
     return None, None
 
 
 def check_room(out_dir: str, objects: dict, copies: int = 1) -> None:
-    """WriteError unless out_dir has room for `copies` checkpoints of `objects`: never train to a save in vain."""
     need = copies * sum(state_bytes(obj) for obj in objects.values())
     free = shutil.disk_usage(out_dir).free
     if free < need:
-        what = "a checkpoint" if copies == 1 else f"{copies} checkpoints"
-        raise WriteError(describe_write_failure(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir),
-                                                f"{what} of about {need / 2**20:.1f} MiB "
-                                                f"({free / 2**20:.1f} MiB free)", out_dir))
+        what = f"{'a checkpoint' if copies == 1 else f'{copies} checkpoints'} of about {need / 2**20:.1f} MiB"
+        enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), out_dir)
+        raise WriteError(describe_write_failure(enospc, f"{what} ({free / 2**20:.1f} MiB free)", out_dir))
 
 
 def state_bytes(obj) -> int:
-    """obj.state_dict()'s tensor bytes; an optimizer makes its state at its first step, so before that, a copy's
-    stepped once over CPU stand-ins of its parameters (Adam's two moments, SGD's momentum)."""
+    """obj.state_dict()'s tensor bytes; an optimizer without state yet: a copy's, stepped once on CPU stand-ins."""
     params = [p for g in getattr(obj, "param_groups", ()) for p in g["params"]]
     if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < len(params):
         try:
@@ -84,6 +78,5 @@ def save_checkpoint(out_dir: str, write, keep: int, best: bool = False) -> None:
     atomic_write(paths[0], write, before_replace=shift_older)
 
 
-def is_best_epoch(history: list) -> bool:
-    """Whether `history`'s last epoch has the best validation accuracy yet (the first of equals)."""
+def is_best_epoch(history: list) -> bool:  # the last epoch's validation accuracy beats every one before
     return bool(history) and all(history[-1]["val_acc"] > m["val_acc"] for m in history[:-1])

@@ -1,4 +1,4 @@
-"""CIFAR-100's archive, fetched once (or placed by hand), md5-checked, extracted atomically, read safely."""
+"""CIFAR-100's archive: fetched once (or placed by hand), md5-checked, extracted atomically."""
 import os
 import pickle
 import socket
@@ -8,15 +8,14 @@ import torch
 
 from machinery.errors import UserError
 
-# As torchvision's CIFAR100 has it (a test checks they agree). CIFAR100_URL in the environment: a mirror.
-CIFAR100_URL = os.environ.get("CIFAR100_URL", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz")
+CIFAR100_URL = os.environ.get("CIFAR100_URL", "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz")  # or a mirror
 CIFAR100_ARCHIVE = "cifar-100-python.tar.gz"
-CIFAR100_MD5 = "eb9058c3a382ffc7106e4002c42a8d85"
+CIFAR100_MD5 = "eb9058c3a382ffc7106e4002c42a8d85"  # these are torchvision's CIFAR100's (a test checks)
 CIFAR100_FOLDER = "cifar-100-python"
 
 
 def fetch_cifar100(data_dir: str) -> None:
-    """Extract the archive (downloaded if absent) through a temporary folder: no node sees a half-written file."""
+    """Extract the archive (downloaded if absent) via a temporary folder: no half-written file."""
     folder = os.path.join(data_dir, CIFAR100_FOLDER)
     if all(os.path.isfile(os.path.join(folder, f)) for f in ("train", "test", "meta")):
         return
@@ -51,7 +50,7 @@ def fetch_cifar100(data_dir: str) -> None:
 
 
 class SafeUnpickler(pickle.Unpickler):
-    """The CIFAR pickles hold dicts, lists and numpy arrays; refuse anything else."""
+    """The CIFAR pickles hold dicts, lists and numpy arrays: nothing else."""
     ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
                ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
 
@@ -62,7 +61,7 @@ class SafeUnpickler(pickle.Unpickler):
 
 
 def read_split(data_dir: str, train: bool, *, num_classes: int) -> tuple:
-    """(uint8 images N x 3 x 32 x 32, int64 labels) of a split's pickle, else UserError."""
+    """(uint8 images N x 3 x 32 x 32, int64 labels) of a split, else UserError."""
     path = os.path.join(data_dir, CIFAR100_FOLDER, "train" if train else "test")
     try:
         with open(path, "rb") as f:
@@ -73,6 +72,5 @@ def read_split(data_dir: str, train: bool, *, num_classes: int) -> tuple:
         if data.dtype != torch.uint8 or data.shape != (n, 3072) or not 0 <= labels.min() <= labels.max() < num_classes:
             raise ValueError(f"expected ({n}, 3072) uint8 data and labels in [0, {num_classes})")
     except Exception as e:
-        raise UserError(f"{path} is unreadable ({type(e).__name__}: {e}); delete {os.path.dirname(path)} to "
-                        f"extract it again") from None
+        raise UserError(f"{path} is unreadable ({e!r}); delete {os.path.dirname(path)} to extract it again") from None
     return data.view(n, 3, 32, 32), labels

@@ -1,4 +1,4 @@
-"""The command line: flags parsed once, --recipe's preset under explicit flags, needless tracebacks made one line."""
+"""The command line: flags, --recipe's preset under those given, needless tracebacks made one line."""
 import argparse
 import atexit
 import difflib
@@ -20,7 +20,7 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # `kill -USR2 <pid>`: where is it stuck?
     args, explicit = parse_flags(parser, recipes, sys.argv[1:] if argv is None else argv)
     try:
-        return record(main)(args, explicit)  # a bug's traceback goes into torchrun's failure report
+        return record(main)(args, explicit)  # a bug's traceback: into torchrun's report
     except KeyboardInterrupt:
         line, status = f"rank {read_dist_env().rank}: interrupted outside the training loop; nothing to save", 130
     except RuntimeError as e:
@@ -35,8 +35,7 @@ def run_cli(main, parser, recipes: dict, argv=None) -> int:
 
 @atexit.register  # on import: once, however often run_cli runs
 def free_traceback_at_exit() -> None:
-    """Free a printed traceback's frames while the interpreter is whole: they hold the DDP model, whose process
-    group's threads, freed in finalization, can abort the process ("terminate called without...")."""
+    """Free a printed traceback's frames (a DDP model) while the interpreter is whole: freed later, it can abort."""
     if getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None:  # exc: 3.12+
         sys.last_exc = sys.last_type = sys.last_value = sys.last_traceback = None
         gc.collect()
@@ -44,12 +43,14 @@ def free_traceback_at_exit() -> None:
 
 def parse_flags(parser, recipes: dict, argv) -> tuple:
     """(flags, dests given), --recipe NAME's preset (recipes[NAME]: dest -> value) under the given flags, any order."""
-    # the parser's own formatter, keeping the epilog's lines: one preset per paragraph
+    # keep the epilog's lines: a preset a paragraph
     parser.formatter_class = type("Formatter", (parser.formatter_class, argparse.RawDescriptionHelpFormatter), {})
 
     def flag(dest, value):  # as typed: --nesterov, --no-nesterov, --depth 16
         name = ("--no-" if value is False else "--") + dest.replace("_", "-")
-        return name if isinstance(value, bool) else f"{name} {value}"
+        if isinstance(value, bool):
+            return name
+        return f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
     presets = [textwrap.fill(f"--recipe {name}: {' '.join(flag(d, v) for d, v in preset.items())}", 100,
                              subsequent_indent="    ", break_on_hyphens=False, break_long_words=False)
                for name, preset in recipes.items()]
@@ -57,7 +58,7 @@ def parse_flags(parser, recipes: dict, argv) -> tuple:
 
     def refuse(message: str):
         """argparse's error as one `error:` line from rank 0, naming the flags a typo may have meant; status 2."""
-        # The long flags the usage line names (argparse keeps its list private), and --help, which it names -h.
+        # the usage line's long flags (argparse keeps its list private), and --help (named -h there)
         known = re.findall(r"(?<![\w-])--\w[\w-]*", parser.format_usage()) + ["--help"] * parser.add_help
         extra = [a.split("=", 1)[0] for a in message.partition("unrecognized arguments:")[2].split()]
         unknown = list(dict.fromkeys(f for f in extra if f.startswith("--") and f not in known))
@@ -74,7 +75,7 @@ def parse_flags(parser, recipes: dict, argv) -> tuple:
             print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
     parser.error = refuse
-    # Each dest starts as a marker, left alone unless given; the dests and defaults are those of no flags at all.
+    # each dest starts as a marker, left alone unless given; defaults: those of no flags
     unset, defaults = object(), vars(parser.parse_args([]))
     args = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(defaults, unset)))
     given = {dest for dest in defaults if getattr(args, dest) is not unset}

@@ -1,4 +1,4 @@
-"""--comm-hook: torch's own DDP communication hooks, and what each changes, said at the start. Loaded only then."""
+"""--comm-hook: torch's DDP communication hooks, and what each changes. Loaded only when given."""
 import contextlib
 
 import torch
@@ -12,7 +12,10 @@ HALVES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def torch_comm_hook(cfg, env: DistEnv) -> tuple:
-    """(state, hook) for DDP.register_comm_hook; a half precision the backend cannot all-reduce here is refused."""
+    """(state, hook) for DDP.register_comm_hook, (None, None) for DDP's own all-reduce; a half precision the backend
+    cannot all-reduce here is refused."""
+    if cfg.comm_hook == "none":
+        return None, None
     if cfg.comm_hook == "powersgd":  # its state is not checkpointed: comm_hook_notes says why
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                             start_powerSGD_iter=cfg.powersgd_start, random_seed=cfg.seed)

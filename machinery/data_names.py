@@ -1,9 +1,9 @@
-"""What the records and the Data line call load_data's data: name, image sizes, size flags not taken."""
+"""What the records and the Data line call load_data's data, and its image sizes."""
 import torch
 
 from machinery.output import log
 
-SYNTHETIC_SOURCE = "synthetic (learnable, of CIFAR-100's shape)"  # what the records call --dataset synthetic
+SYNTHETIC_SOURCE = "synthetic (learnable, of CIFAR-100's shape)"  # the records' name for --dataset synthetic
 
 
 def records_name(dataset: str, data_dir: str, source: str) -> str:
@@ -13,7 +13,7 @@ def records_name(dataset: str, data_dir: str, source: str) -> str:
 
 
 def check_sizes(cfg, train, test, channels: int) -> str:
-    """The Data line's image sizes ("" for --evaluate), after a note for a size flag load_data did not take."""
+    """The Data line's image sizes ("" for --evaluate); a note for a size flag load_data ignored."""
     for name, split in (("train_size", train), ("test_size", test)):
         if (size := getattr(cfg, name)) and split is not None and len(split) != size:
             log(f"note: --{name.replace('_', '-')} {size} does nothing here: load_data returned {len(split)} samples; "

@@ -1,4 +1,4 @@
-"""One line where a traceback says it badly: a hung or lost peer, a failed rendezvous, a test split's classes."""
+"""One-line causes: a hung or lost peer, a failed rendezvous, a test split's classes."""
 import datetime
 import os
 import re
@@ -21,8 +21,7 @@ def describe_comm_failure(e: Exception, timeout_s: float) -> str | None:
                else ": another rank is hung or dead (kill -USR2 it to see where)")
         return f"a collective operation timed out after {timeout_s:g} s{why}; {first}"
     if any(s in str(e) for s in ("Connection reset by peer", "Connection closed by peer", "Broken pipe")):
-        return (f"lost another rank (its process or node died): {first}; the last checkpoint is intact: "
-                f"torchrun --max-restarts (or a requeue) resumes from it")
+        return f"lost another rank (its process or node died): {first}; a restart or requeue resumes its checkpoint"
     return None
 
 
@@ -62,7 +61,7 @@ def refuse_init_failure(e: Exception, env, timeout_s: float, *, host: str) -> No
 
 
 def describe_class_mismatch(index: dict, test_index: dict, source: str) -> str:
-    """The line for a test split whose classes (name -> index) are not `source`'s (data_checks.check_same_classes)."""
+    """The line for a test split whose classes (name -> index) are not `source`'s."""
     def listed(classes):  # "" for none
         return ", ".join(map(repr, classes[:3])) + (f" and {len(classes) - 3} more" if len(classes) > 3 else "")
     lacks = listed([c for c in index if c not in test_index])

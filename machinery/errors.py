@@ -1,6 +1,5 @@
 """A problem the user can fix is a UserError, raised on every rank at once (call_and_agree), so all leave together;
 leave_on_user_error says it once, and the exit status says which kind: 2 bad input, 74 a failed write, 75 a stop."""
-from __future__ import annotations
 
 import signal
 import sys
@@ -51,8 +50,7 @@ def leave_on_user_error(e: UserError) -> int:
     log(f"error: {e}", file=sys.stderr)
     if dist.is_initialized():
         dist.barrier()
-        # The first rank out makes the launcher (srun --kill-on-bad-exit, torchrun) SIGTERM the others, turning their
-        # agreed status into "Terminated" (143, and the job's status with it): they finish leaving instead.
+        # srun and torchrun SIGTERM the rest once one rank is out: ignored, or their status would be 143 (Terminated)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     elif not is_main_process():
         time.sleep(5)
@@ -83,8 +81,7 @@ def agree_on_error(error: UserError | None) -> None:
 joined = {}  # the process group's store, kept past destroy_process_group (the entry point's teardown)
 
 
-def note_host_in_store(rank: int, host: str) -> None:
-    """Each rank's host in the store, for ranks_that_did_not_arrive (after the teardown: see `joined`)."""
+def note_host_in_store(rank: int, host: str) -> None:  # for diagnose.ranks_that_did_not_arrive
     with suppress(Exception):
         joined["store"] = dist.distributed_c10d._get_default_store()
         joined["store"].set(f"host/{rank}", host)

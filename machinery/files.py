@@ -1,5 +1,4 @@
 """The run's files: atomic writes, rank 0's agreed on by every rank, a failed write in one line."""
-from __future__ import annotations
 
 import datetime
 import errno
@@ -63,7 +62,6 @@ WAY_OUT = {
 
 
 def describe_write_failure(e: OSError, what: str, out_dir: str, then: str = "run the same command to resume") -> str:
-    """A failed write in one line: why, what failed where, the last checkpoint that loads, the way out."""
     intact = "no checkpoint was written yet"
     for path in checkpoint_paths(out_dir, 10):
         try:  # mmap: only the small progress record is read, whatever the model's size
@@ -73,9 +71,8 @@ def describe_write_failure(e: OSError, what: str, out_dir: str, then: str = "run
         intact = f"the last good checkpoint, {path} ({describe_position(**p)}), is intact"
         break
     named = e.filename and not os.path.basename(str(e.filename)).startswith(".")  # not one of our temporary files
-    way_out = WAY_OUT.get(e.errno, "fix that").format(d=out_dir)
     return (f"{(e.strerror or str(e)).lower()} writing {what} in {e.filename if named else out_dir}; {intact}: "
-            f"{way_out}, then {then}")
+            f"{WAY_OUT.get(e.errno, 'fix that').format(d=out_dir)}, then {then}")
 
 
 def checkpoint_paths(out_dir: str, keep: int) -> list:  # the newest first: checkpoint.pt, checkpoint.1.pt, ...
@@ -87,26 +84,24 @@ def describe_position(epoch: int, position: int, step: int, **_) -> str:  # wher
 
 
 def write_on_main(env, write, *, what: str, out_dir: str, lock=None, then: str = "run the same command to resume"):
-    """try_write on rank 0, as a collective: every rank raises its error, none waits for a rank 0 gone."""
-    agree_on_error(try_write(write, what=what, out_dir=out_dir, lock=lock, then=then) if env.is_main else None)
-
-
-def try_write(write, *, what: str, out_dir: str, lock=None, then: str = "run the same command to resume"):
-    """write() if this run still owns out_dir (`lock`): None, or the UserError why not; a bug's error is raised."""
+    """write() on rank 0 if this run still owns out_dir (`lock`), as a collective: every rank raises its UserError
+    (a failed write: a WriteError), none waits for a rank 0 gone; a bug's error is raised where it happened."""
+    error = None
     try:
-        if lock is not None:
-            lock.check()
-        write()
+        if env.is_main:
+            if lock is not None:
+                lock.check()
+            write()
     except UserError as e:
-        return e
+        error = e
     except (OSError, RuntimeError) as e:
         cause = e  # torch.save wraps an OSError in a RuntimeError "unexpected pos ..."
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if cause is None:  # not a failed write: a bug
             raise
-        return WriteError(describe_write_failure(cause, what, out_dir, then))
-    return None
+        error = WriteError(describe_write_failure(cause, what, out_dir, then))
+    agree_on_error(error)
 
 
 def now_iso() -> str:

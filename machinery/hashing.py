@@ -1,23 +1,22 @@
 """The augmentation's seeds, splitmix64 of (seed, epoch, index), and seeded()."""
 import torch
 
-_C0, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's, each >= 2**63
+_C0, _C1, _C2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))  # as int64
 
 
 def mix64(seed: int, epoch: int, idx):
-    """A 64-bit hash per sample, the same bits for a Python int `idx` (CPU workers) and an int64 tensor."""
-    tensor = isinstance(idx, torch.Tensor)  # int64 wraps like uint64 (constants signed); shifts masked
-    mul = (lambda h, c: h * (c - (1 << 64))) if tensor else (lambda h, c: (h * c) & ((1 << 64) - 1))
-    h = torch.full_like(idx, _C0 - (1 << 64)) if tensor else _C0
+    """A 64-bit hash per sample: the same bits for an int `idx` (CPU workers) and an int64 tensor."""
+    # int64 wraps like uint64 (constants signed, shifts masked); ints masked to 64 bits
+    h, bits = (torch.full_like(idx, _C0), -1) if isinstance(idx, torch.Tensor) else (_C0 % (1 << 64), (1 << 64) - 1)
     for k in (seed, epoch, idx):
-        h = mul(h ^ k, _C1)
-        h = mul(h ^ ((h >> 31) & ((1 << 33) - 1)), _C2)
+        h = ((h ^ k) * _C1) & bits
+        h = ((h ^ ((h >> 31) & ((1 << 33) - 1))) * _C2) & bits
         h = h ^ ((h >> 29) & ((1 << 35) - 1))
     return h
 
 
 def seeded(transform, inputs, seed: int):
-    """transform(*inputs) with torch's generator seeded with `seed`, its state put back after."""
+    """transform(*inputs) on torch's generator seeded with `seed`, its state restored after."""
     with torch.random.fork_rng(devices=()):
         torch.default_generator.manual_seed(seed % (1 << 64))  # signed or not, one unsigned seed
         return transform(*inputs)

@@ -1,4 +1,4 @@
-"""Image files, root/<class>/<image>: ImageFolder less hidden files, one class numbering, images read as they look."""
+"""Image folders, root/<class>/<image>: hidden files left out, images read as they look."""
 import contextlib
 import os
 import time
@@ -17,7 +17,7 @@ from machinery.output import log
 
 
 def call_once_and_share(fn, folder):
-    """fn() on rank 0, its result (or UserError) sent to all: for listing `folder`, one for all."""
+    """fn() on rank 0, its result (or UserError) sent to all: `folder` is listed once."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return fn()
     box = [(str(folder), call_and_agree(fn, here=dist.get_rank() == 0))]
@@ -25,7 +25,7 @@ def call_once_and_share(fn, folder):
     rank_0s, result = box[0]
     agree_on_error(None if str(folder) == rank_0s else UserError(
         f"rank {dist.get_rank()} reads the image folder {folder}, rank 0 {rank_0s}: a folder is listed once, by rank "
-        f"0, for every rank; give every rank the same folder (the sampler already gives each rank its share of it)"))
+        f"0, for every rank; give every rank the same folder (the sampler gives each its share)"))
     return result
 
 
@@ -36,7 +36,7 @@ def folder_classes(root) -> list:
             names = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         except OSError as e:
             raise UserError(f"cannot read the image folder {root} ({e.strerror}): --data-dir must hold train/ "
-                            f"and test/, each with one folder of images per class") from None
+                            f"and test/ of class folders") from None
         if not names:
             raise UserError(f"the image folder {root} holds no class folders: it needs {root}/<class>/<image>")
         return names
@@ -44,7 +44,7 @@ def folder_classes(root) -> list:
 
 
 class ImageFolderSplit(ImageFolder):
-    """ImageFolder of (uint8 tensor, label), less hidden files, numbered by `classes`; `samples`: N spread evenly."""
+    """ImageFolder of (uint8 tensor, label), numbered by `classes`; `samples`: N spread evenly."""
 
     def __init__(self, root: str, classes: list | None = None, mode: str = "RGB", size=None, samples: int = 0):
         self.given_classes, self.hidden, self.mode = classes, [], mode
@@ -61,8 +61,7 @@ class ImageFolderSplit(ImageFolder):
             raise UserError(f"the class folder {folder} {why}: give it its images, or remove it")
         n = len(self.samples)
         if samples > n:
-            raise UserError(f"{root} holds {n} images, fewer than the {samples} asked for (--train-size or "
-                            f"--test-size): ask for at most {n}, or 0 for all")
+            raise UserError(f"{root} holds {n} images, fewer than the {samples} asked (--train-size or --test-size)")
         if samples:
             self.samples = [self.samples[i * n // samples] for i in range(samples)]
             self.imgs, self.targets = self.samples, [label for _, label in self.samples]
@@ -73,13 +72,11 @@ class ImageFolderSplit(ImageFolder):
 
     def make_dataset(self, directory, class_to_idx, **options):
         """The (file, label) list, by rank 0 for all: a listing loads the metadata server."""
-        def list_files():
-            start = time.perf_counter()
-            samples = ImageFolder.make_dataset(directory, class_to_idx, **options)
-            return samples, self.hidden, time.perf_counter() - start
-        samples, self.hidden, seconds = call_once_and_share(list_files, directory)
+        start = time.perf_counter()  # rank 0's listing and broadcast
+        samples, self.hidden = call_once_and_share(
+            lambda: (ImageFolder.make_dataset(directory, class_to_idx, **options), self.hidden), directory)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            log(f"{directory}: {len(samples)} files listed in {seconds:.1f} s by rank 0, for all "
+            log(f"{directory}: {len(samples)} files listed in {time.perf_counter() - start:.1f} s by rank 0, for all "
                 f"{dist.get_world_size()} ranks")
         return samples
 
@@ -100,7 +97,7 @@ class ImageFolderSplit(ImageFolder):
         return has_file_allowed_extension(path, IMG_EXTENSIONS)
 
     def read_image(self, path: str) -> Image.Image:
-        """An image as it looks (EXIF-turned), in self.mode, resized to self.resize_to if set."""
+        """An image as it looks (EXIF-turned), in self.mode, of self.resize_to if set."""
         with open(path, "rb") as f:
             image = Image.open(f)
             try:
@@ -117,7 +114,7 @@ class ImageFolderSplit(ImageFolder):
 
 
 def mean_std(split, samples: int = 2000) -> tuple:
-    """Exact per-channel mean and std / 255 of `samples` images spread evenly (0: all); sizes in split.image_sizes."""
+    """Exact per-channel mean and std / 255 of `samples` images (0: all); sizes in split.image_sizes."""
     def measure():
         n = len(split)
         picked = range(n) if not samples or samples >= n else [i * n // samples for i in range(samples)]

@@ -7,13 +7,13 @@ from machinery.errors import UserError
 
 
 def load_initial_weights(model: torch.nn.Module, path: str) -> str:
-    """Load `path` (a checkpoint's weight EMA, else its model; or a state_dict) into `model`; return the line saying so.
-    A classifier head (the last nn.Linear) that does not fit stays fresh; any other misfit is refused, naming it."""
+    """Load `path` (a checkpoint's weight EMA, else its model; or a state_dict) into `model`; return a line saying so.
+    A classifier head (the last nn.Linear) that does not fit stays fresh; another misfit is refused, named."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)  # data, never code
     except FileNotFoundError:
         raise UserError(f"--init-from {path}: no such file") from None
-    except Exception as e:  # noqa: BLE001 (torch raises many kinds for a file that is not a checkpoint)
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds)
         raise UserError(f"--init-from {path} does not load as a checkpoint or a state_dict "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     what = "the state_dict"

@@ -1,4 +1,4 @@
-"""Who this process is and how ranks meet: launcher env (torchrun, Slurm, none), device, process group, failures."""
+"""Who this process is (torchrun's, srun's or no launcher's env), its device, and how the ranks meet."""
 import contextlib
 import datetime
 import os
@@ -20,7 +20,7 @@ class DistEnv:
     world_size: int = 1
     local_world_size: int = 1
     device: torch.device = torch.device("cpu")  # one GPU per process (NCCL); else the CPU (gloo)
-    nodes: int = 1  # the hosts the ranks run on: counted once the process group exists
+    nodes: int = 1  # hosts, counted once the group exists
 
     is_main = property(lambda self: self.rank == 0)
     cuda = property(lambda self: self.device.type == "cuda")
@@ -28,7 +28,7 @@ class DistEnv:
 
 
 def read_dist_env() -> DistEnv:
-    """Rank and world size from torchrun's env (or srun's, once read_launcher adopted it), else one process."""
+    """Ranks from torchrun's env (srun's, once read_launcher adopted it); else one process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
@@ -37,8 +37,8 @@ def read_dist_env() -> DistEnv:
 
 
 def read_launcher(device: str) -> DistEnv:
-    """DistEnv from the launcher (srun's env read as torchrun's), on `device`: auto, cuda or cpu (one GPU a rank)."""
-    # imported later (the optimizer's first step, the group's threads running), torch._dynamo can abort the exit
+    """DistEnv from the launcher's env (srun's read as torchrun's) on `device`: auto, cuda or cpu."""
+    # imported later (by the optimizer, the group's threads running), torch._dynamo can abort the exit
     import torch._dynamo  # noqa: F401
     env = os.environ
     if "RANK" not in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:  # `srun python train_ddp.py`
@@ -52,11 +52,11 @@ def read_launcher(device: str) -> DistEnv:
                                                     text=True, check=True, timeout=30).stdout.split()[0]
             except (OSError, subprocess.SubprocessError, IndexError):
                 env["MASTER_ADDR"] = env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
-        # the port from the job id: two jobs sharing a node do not collide
+        # by job id: jobs sharing a node differ
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
     found = read_dist_env()
     if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu or auto")
+        raise UserError("--device cuda, but PyTorch sees no CUDA GPU; use --device cpu or auto")
     if device != "cpu" and torch.cuda.is_available():
         if found.local_rank >= torch.cuda.device_count():
             raise UserError(f"local rank {found.local_rank} has no GPU ({torch.cuda.device_count()} visible): "
@@ -70,17 +70,17 @@ def rendezvous(env: DistEnv, timeout_s: float):
     """Around init_process_group, yielding its other keywords: a failed meeting is one line; ranks note their hosts."""
     store = {}
     if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across --max-restarts, so a fresh namespace per attempt (docs/slurm.md: why)
+        # torchrun keeps one store across restarts: a fresh namespace per attempt (docs/slurm.md)
         if env.world_size > env.local_world_size and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)):
-            say("warning: a restart or joining node can hang the others (pytorch/pytorch#135712) through torchrun's "
-                "shared store: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as jobs/multinode.sh does\n")
+            say("warning: torchrun's shared store can hang the nodes on a restart (pytorch/pytorch#135712): "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 as jobs/multinode.sh does\n")
         store = {"store": dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", dist.TCPStore(
                      os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=timeout_s))),
                  "rank": env.rank, "world_size": env.world_size}
     try:
         yield store
-    except Exception as e:  # the store raises several types: DistStoreError, RuntimeError, TimeoutError
+    except Exception as e:  # the store's DistStoreError, RuntimeError, TimeoutError
         from machinery.diagnose import refuse_init_failure
         refuse_init_failure(e, env, timeout_s, host=host_name())  # a RendezvousError where it can say why
         raise
@@ -88,8 +88,8 @@ def rendezvous(env: DistEnv, timeout_s: float):
 
 
 def gather_ranks(env: DistEnv) -> list:
-    """A collective: each rank's host, device, route and resolved rendezvous address, by rank (node count, run.json)."""
-    try:  # MASTER_ADDR as resolved here: where this rank met the others
+    """A collective: each rank's host, device, route and rendezvous address, by rank (for run.json)."""
+    try:  # MASTER_ADDR as this rank resolved it
         master = socket.gethostbyname(os.environ["MASTER_ADDR"])
     except (KeyError, OSError):
         master = None
@@ -103,7 +103,7 @@ def default_workers(env: DistEnv) -> int:
 
 
 def cpus_per_rank(env: DistEnv) -> int:
-    """This rank's share of the CPUs it may run on: torchrun's ranks share their task's, srun's tasks own theirs."""
+    """This rank's share of its CPUs: torchrun's ranks share their task's, srun's tasks own theirs."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cpus // env.local_world_size if "TORCHELASTIC_RUN_ID" in os.environ else cpus
 

@@ -1,4 +1,4 @@
-"""DataLoader workers: forked by a forkserver per rank (forking a threaded rank can hang), dying with their rank."""
+"""DataLoader workers: forked by a forkserver per rank (forking a rank can hang), dying with it."""
 import atexit
 import contextlib
 import ctypes
@@ -13,13 +13,12 @@ from multiprocessing import connection, resource_tracker
 from machinery.errors import UserError
 from machinery.signals import STOP_SIGNALS
 
-RANK_PID = "DDP_LOADER_RANK_PID"  # the rank's pid: its forkserver checks it is its child
-# A Unix socket's longest path: sun_path less its closing zero (108 bytes on Linux, 104 on macOS).
-SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+RANK_PID = "DDP_LOADER_RANK_PID"  # the rank's pid, which its forkserver checks
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103  # a socket's sun_path, less its NUL
 
 
 def check_worker_sockets(workers: int) -> None:
-    path = os.fsencode(connection.arbitrary_address("AF_UNIX")) if workers else b""  # as the forkserver names it
+    path = os.fsencode(connection.arbitrary_address("AF_UNIX")) if workers else b""  # the forkserver's
     if len(path) > SOCKET_PATH_MAX:
         folder = os.path.dirname(os.path.dirname(path))  # the socket is <TMPDIR>/pymp-XXXXXXXX/<name>
         raise UserError(f"TMPDIR {os.fsdecode(folder)} ({len(folder)} bytes) is too long for the DataLoader "
@@ -28,7 +27,7 @@ def check_worker_sockets(workers: int) -> None:
 
 
 def worker_context():
-    """The forkserver's context, preloading torch and this module (`__main__` alone fails before cpython#126631)."""
+    """The forkserver's, preloading torch and this module (`__main__` fails before cpython#126631)."""
     os.environ[RANK_PID] = str(os.getpid())
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["__main__", "torch", "torchvision", __name__])
@@ -36,7 +35,7 @@ def worker_context():
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` dies, or now if it has: a SIGKILLed rank's workers would live for ever."""
+    """SIGKILL this process when `parent` dies (or now): a killed rank's workers would live on."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before the line above
         os.kill(os.getpid(), signal.SIGKILL)
@@ -44,12 +43,12 @@ def die_with_parent(parent: int) -> None:
 
 @contextlib.contextmanager
 def stop_signals_held():
-    """Stop signals held as workers start (and in them): Slurm signals every process; a rank saves first."""
+    """Stop signals held as workers start (and in them): Slurm signals all; a rank saves first."""
     atexit.unregister(end_workers_at_exit)
     atexit.register(end_workers_at_exit)  # to run before multiprocessing's own
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        resource_tracker.ensure_running()  # its start unblocks SIGINT and SIGTERM: start it, then hold them again
+        resource_tracker.ensure_running()  # its start unblocks SIGINT and SIGTERM: hold them again
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         yield
     finally:
@@ -69,7 +68,7 @@ def start_workers(loader):
 
 
 def end_workers_at_exit() -> None:
-    """SIGKILL workers up at exit: multiprocessing would SIGTERM them (ignored) and wait for ever."""
+    """SIGKILL workers at exit: multiprocessing would SIGTERM them (ignored) and wait for ever."""
     children = multiprocessing.active_children()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # without torch's "worker killed" error
     for child in children:
@@ -79,21 +78,20 @@ def end_workers_at_exit() -> None:
 
 
 def deaf_to_stop_signals(worker_id: int = 0) -> None:
-    """A worker's worker_init_fn: ignore the stop signals (the rank stops it), then unblock them."""
+    """A worker's worker_init_fn: stop signals ignored (the rank stops it), then unblocked."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     default = sys.excepthook
     sharer = os.path.join("multiprocessing", "resource_sharer.py")
-    def quiet_when_rank_leaves(kind, value, tb) -> None:  # no traceback from resource_sharer: a rank left mid-batch
+    def quiet_when_rank_leaves(kind, value, tb) -> None:  # a rank left mid-batch: no resource_sharer traceback
         if not (issubclass(kind, (EOFError, OSError, multiprocessing.AuthenticationError))
                 and any(frame.f_code.co_filename.endswith(sharer) for frame, _ in traceback.walk_tb(tb))):
             default(kind, value, tb)
     sys.excepthook = quiet_when_rank_leaves
 
 
-# In a rank's forkserver (`python -c`) only: it and its workers die with their parent (Linux: PR_SET_PDEATHSIG).
+# In a rank's forkserver (`python -c`), on Linux: it and its workers die with the rank.
 if sys.argv[:1] == ["-c"] and os.environ.pop(RANK_PID, None) == str(os.getppid()) and sys.platform == "linux":
     die_with_parent(os.getppid())
-    _forkserver = os.getpid()
-    os.register_at_fork(after_in_child=lambda: die_with_parent(_forkserver))
+    os.register_at_fork(after_in_child=lambda forkserver=os.getpid(): die_with_parent(forkserver))

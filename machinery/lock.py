@@ -1,5 +1,4 @@
 """One run per out-dir: rank 0 holds `run.lock` while it trains; a dead run never locks out the next."""
-from __future__ import annotations
 
 import json
 import os
@@ -14,8 +13,7 @@ from machinery.output import log
 
 
 class OutDirLock:
-    """Touched every HEARTBEAT_S s; taken over once its owner's process is gone (same host), it was an earlier run
-    of this Slurm job or torchrun, or STALE_S pass without a beat. check() before each save stops a displaced owner."""
+    """Taken over once its owner's process is gone (same host), it is this job's earlier attempt, or its beat stops."""
     NAME, HEARTBEAT_S, STALE_S = "run.lock", 10.0, 60.0
 
     def __init__(self, out_dir: str):
@@ -69,8 +67,7 @@ class OutDirLock:
     def check(self) -> None:
         holder = self._read()[0]
         if holder is None:
-            raise UserError(f"this run's lock {self.path} is gone (deleted, or --out-dir removed): it stops without "
-                            f"writing there; if no other run uses {self.out_dir}, run the same command to resume")
+            raise UserError(f"this run's lock {self.path} is gone (deleted, or --out-dir removed): rerun to resume")
         if holder != self.me:
             raise UserError(f"another run took over --out-dir {self.out_dir} ({describe_owner(holder)}), so "
                             f"this one stops without writing there; run one job per out-dir")

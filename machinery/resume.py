@@ -1,5 +1,4 @@
 """What a resume checks: the format, the flags (RESUME_RULES), the device, a finished run, the data, the model."""
-from __future__ import annotations
 
 import hashlib
 import json
@@ -13,7 +12,6 @@ from machinery.bad_samples import read_sample
 from machinery.errors import UserError, all_gather
 from machinery.output import log
 
-# Besides the recipe's registered state (train_utils.Checkpoint), every checkpoint holds these.
 REQUIRED_KEYS = ("progress", "config", "model_config", "data", "world_size", "rng_cpu", "rng_cuda")
 REQUIRED_CONFIG_KEYS = ("data_spec", "epochs", "batch_size", "per_rank_batch", "accumulation_steps",
                         "micro_batch", "micro_batch_size", "lr", "device_type")
@@ -35,7 +33,7 @@ def check_format(ckpt, path: str, required=()) -> None:
 
 def checkpoint_flags(args, explicit: set, ckpt, rules: dict) -> tuple:
     """The flags to continue `ckpt` with, by each flag's rule (RESUME_RULES), and notes on what changed; UserError
-    where the data, model or recipe differ. --evaluate takes unset flags from `ckpt`."""
+    where the data, model or recipe differ. --evaluate takes unset flags from `ckpt`, any recipe and --test-size."""
     flags = dict(vars(args))
     saved, evaluate, out = ckpt["config"], flags["evaluate"], flags["out_dir"]
     rules = {k: rule if isinstance(rule, tuple) else (rule, None) for k, rule in rules.items()}
@@ -45,22 +43,15 @@ def checkpoint_flags(args, explicit: set, ckpt, rules: dict) -> tuple:
         flags["micro_batch"] = saved["micro_batch"] or saved["micro_batch_size"]
     model_flags = {k for k in ckpt["model_config"] if k in flags}  # the flags build_model's shapes follow
     for key, (rule, before) in rules.items():
-        # --evaluate scores what was trained, on any share of the test set (--test-size)
-        if key not in flags or (evaluate and (rule == RECIPE or key == "test_size")):
+        old, new, flag = saved.get(key, before), flags.get(key), "--" + key.replace("_", "-")
+        if key not in flags or new == old or old is ANY or (evaluate and (rule == RECIPE or key == "test_size")):
             continue
-        old, new, flag = saved.get(key, before), flags[key], "--" + key.replace("_", "-")
-        if (rule == DATA or key in model_flags) and old not in (None, ANY) and new != old:
-            if key not in saved:  # a checkpoint from before the flag, which then meant `before`
-                raise UserError(f"{flag} {new} would change the data that the checkpoint in {out} trained on ({flag} "
-                                f"{old}, before the flag): leave {flag} out to continue it, or use another --out-dir")
-            what = "on other data" if rule == DATA else "another model"
+        # a RECIPE flag the checkpoint lacks (before None) was off: only turning it on changes the run
+        if ((rule == DATA or key in model_flags) and old is not None) or (rule == RECIPE and (key in saved or new)):
+            what = "on other data" if rule == DATA else "another model" if key in model_flags else "with another recipe"
+            keep = f"leave {flag} out" if old is None or old is False else f"{flag} {old}"
             raise UserError(f"{flag} {new} differs from the {old} of the checkpoint in {out}, which trained {what}: "
-                            f"use another --out-dir for a new run, or {flag} {old} to continue it")
-        elif rule == RECIPE and old is not ANY and new != old and (key in saved or new):
-            # from before the option (before None): it was off, so turning it on changes the run
-            keep = f"leave {flag} out" if old in (None, False) else f"give {flag} {old}"
-            raise UserError(f"{flag} {new} differs from the {old} the checkpoint in {out} trained with: it would "
-                            f"change the recipe mid-run; {keep} to continue it, or use another --out-dir for a new run")
+                            f"use another --out-dir for a new run, or {keep} to continue it")
     changed = [f"--{k.replace('_', '-')} {saved[k]} -> {v}" for k, v in flags.items()
                if k in saved and rules.get(k, (NOTED,))[0] == NOTED and k not in model_flags and saved[k] != v
                and (k != "micro_batch" or k in explicit) and not evaluate]  # a kept memory cap is no change
@@ -76,11 +67,10 @@ def check_same_device(ckpt, path: str, device: torch.device, evaluate_only: bool
 
 def check_finished(ckpt, path: str, flags: dict, notes: list) -> str | None:
     """None if `ckpt` has epochs left or its records are not whole; the line to log if rerun as it was; else raises."""
-    progress, saved = ckpt["progress"], ckpt["config"]
-    done, epochs, early = progress["epoch"], flags["epochs"], progress["stopped_early"]
+    progress, saved, epochs = ckpt["progress"], ckpt["config"], flags["epochs"]
+    done, early, history = progress["epoch"], progress["stopped_early"], progress["history"]
     if not early and done < epochs:
         return None
-    history = progress["history"]
     result = (f"; final validation accuracy {history[-1]['val_acc']:.4f}, best "
               f"{max(m['val_acc'] for m in history):.4f}" if history else "")
     holds = (f"{path} holds a run that stopped early at epoch {done} (target accuracy reached{result})"
@@ -90,33 +80,30 @@ def check_finished(ckpt, path: str, flags: dict, notes: list) -> str | None:
         summary = {}
         with suppress(OSError, ValueError), open(os.path.join(flags["out_dir"], "summary.json")) as f:
             summary = json.load(f)
-        if not (summary.get("finished") and summary.get("epochs_completed") == done):
-            return None  # its records are not whole: this run writes them, training nothing
-        return f"{holds}: nothing to train; {ways}."
+        whole = summary.get("finished") and summary.get("epochs_completed") == done  # else this run writes them
+        return f"{holds}: nothing to train; {ways}." if whole else None
     if epochs != saved["epochs"] and epochs <= done:
         raise UserError(f"--epochs {epochs} leaves nothing to train: {holds}; {ways}")
     raise UserError(f"{holds}, and this command changes it ({'; '.join(notes)}) but trains nothing: {ways}")
 
 
 def check_same_data(found, shape: dict, fingerprints: dict) -> None:
-    """UserError unless these data are those the checkpoint in `found` trained on: their shape, then their samples."""
     def describe_shape(shape: dict) -> str:  # "3 x 32 x 32 images of 100 classes", or "3-channel images"
         size = " x ".join(str(shape[k]) for k in ("channels", "height", "width") if k in shape)
         classes = f" of {shape['num_classes']} classes" if "num_classes" in shape else ""
         return f"{size} images{classes}" if "height" in shape else f"{size}-channel images{classes}"
-    out_dir, data_dir = found.flags["out_dir"], found.flags["data_dir"]
+    out, data_dir = found.flags["out_dir"], found.flags["data_dir"]
     saved_shape = {k: found.ckpt["config"]["data_spec"][k] for k in shape}
     if saved_shape != shape:
-        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out_dir} was trained on "
+        raise UserError(f"load_data gives {describe_shape(shape)}, but the checkpoint in {out} was trained on "
                         f"{describe_shape(saved_shape)}: use another --out-dir, or load the data it trained on")
     saved = found.ckpt["data"]
     for split, fp in fingerprints.items():
         if split == "test" and found.flags.get("test_size") != found.ckpt["config"]["test_size"]:
             continue  # --evaluate --test-size N scores another share of the test set, on purpose
         if saved[split] != fp:
-            raise UserError(f"the {split} data in --data-dir {data_dir} differ from those the checkpoint in "
-                            f"{out_dir} was trained on (fingerprint {fp}, checkpoint {saved[split]}): point "
-                            f"--data-dir at those, or use another --out-dir for a new run")
+            raise UserError(f"the {split} data in --data-dir {data_dir} differ from those the checkpoint in {out} was "
+                            f"trained on (fingerprint {fp}, checkpoint {saved[split]}): use those or another --out-dir")
 
 
 def check_same_model(found, model_config: dict) -> None:
@@ -131,11 +118,9 @@ def describe_model(cfg: dict) -> str:  # its "name" (else its keys and values), 
 
 
 def note_resume_changes(saved: dict, cfg, progress, draws: str) -> None:
-    """The notes a resumed run opens with: what changed in the batch, the LR and the augmentation's draws."""
     before = saved.get("draws", "a hash of (seed, epoch, index), in the project's own ops (before torchvision's)")
     if before != draws and draws:
-        log(f"note: the augmentation drew from {before} before, from {draws} now: the rest of the run trains on "
-            f"other random crops than an uninterrupted run would (as good, not bit-identical)")
+        log(f"note: the augmentation drew from {before} before, from {draws} now: as good, not bit-identical")
     if saved["lr"] != cfg.lr:
         log(f"note: the peak LR changed from {saved['lr']:.4g} to {cfg.lr:.4g} on resume")
     if saved["batch_size"] != cfg.batch_size:
@@ -172,5 +157,4 @@ def check_same_splits(fingerprints: dict) -> None:
             if mine != ranks[0][name]:
                 (n, h), (n0, h0) = mine.split(":"), ranks[0][name].split(":")
                 raise UserError(f"the {name} split differs by rank: rank {rank} loaded {n} samples (fingerprint {h}), "
-                                f"rank 0 {n0} ({h0}); load_data must return the same splits on every rank: not by "
-                                f"env.rank, and a random split with a fixed seed")
+                                f"rank 0 {n0} ({h0}); load_data must not use env.rank, and must seed a random split")

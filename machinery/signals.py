@@ -8,8 +8,8 @@ import torch
 from machinery.errors import EXIT_STOPPED, all_reduce_max
 from machinery.output import is_main_process, log, report_to_launcher, say
 
-STOP_CHECK_EVERY = 10  # steps between the ranks' agreed checks: a stop request, a non-finite loss, bad samples
-# Slurm's time-limit warning (USR1, as the job scripts ask), scancel, time limit and preemption (TERM), Ctrl-C (INT).
+STOP_CHECK_EVERY = 10  # steps between the ranks' agreed checks (stop, non-finite loss, bad samples)
+# Slurm's time-limit warning (USR1, as the job scripts ask); scancel, time limit, preemption (TERM); Ctrl-C.
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
@@ -17,13 +17,13 @@ class StopRequest:
     """Set by STOP_SIGNALS (a second Ctrl-C quits at once) or the file $DDP_STOP_FILE, which the job scripts create
     when their shell is signalled (it reaches every rank on every node, in a container too); ranks agree in `check`."""
 
-    exit_status = EXIT_STOPPED  # of a run stopped on request, checkpointed: run it again (requeue) to resume
+    exit_status = EXIT_STOPPED  # stopped on request, checkpointed: rerun to resume
 
     def __init__(self):
         self.signal = None
         self.stop_file = os.environ.get("DDP_STOP_FILE")
 
-    def __enter__(self) -> "StopRequest":  # the signals caught in the training loop; outside it, as usual
+    def __enter__(self) -> "StopRequest":  # caught in the training loop; outside it, as usual
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
         quiet_resource_tracker()
         return self
@@ -32,7 +32,7 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    reason = property(lambda self: self.signal or "on another rank")  # the signal or stop file seen here, if any
+    reason = property(lambda self: self.signal or "on another rank")  # what was seen here
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT and self.signal == "SIGINT":
@@ -50,7 +50,7 @@ class StopRequest:
     def say_stopped(self, message: str) -> None:
         """The stop's line, once checkpointed; rank 0 also writes $DDP_STOP_FILE.saved, which the job's shell reads."""
         log(message)
-        report_to_launcher(message)  # torchrun reports the ranks' 75 as a failure: its report says why
+        report_to_launcher(message)  # torchrun's failure report then says why
         if self.stop_file and is_main_process():
             with contextlib.suppress(OSError), open(self.stop_file + ".saved", "w") as f:
                 f.write(message + "\n")

@@ -1,4 +1,4 @@
-"""The synthetic data (--dataset synthetic): learnable images of CIFAR-100's shape, no download."""
+"""--dataset synthetic: learnable images of CIFAR-100's shape, no download."""
 import math
 
 import torch

@@ -176,4 +176,3 @@ def find_input_bound(ranks: list) -> str | None:
     median = statistics.median(r["data_s"] / r["step_s"] for r in ranks)
     return (f"rank {worst['rank']} on {worst['host']} waited for data {share:.0%} of its step (the median rank: "
             f"{median:.0%})")
-

@@ -1,4 +1,4 @@
-"""build_transforms' transforms checked before the first step, and where a training transform not batched runs."""
+"""build_transforms' transforms, checked before the first step; where a per-image one runs."""
 import pickle
 
 import torch
@@ -11,7 +11,7 @@ from machinery.output import log
 
 
 def check_transforms(data, train, test) -> tuple:
-    """The model's input shape, what both transforms (None: none) make of their first image, uint8 of its channels."""
+    """The model's input shape: what both transforms (None: none) make of their first image."""
     shapes = {}
     for name, split, transform in (("training", data.train, train), ("test", data.test, test)):
         if split is None:  # --evaluate: no training split
@@ -22,8 +22,8 @@ def check_transforms(data, train, test) -> tuple:
                 f"the {name} images (no {name} transform)")
         try:
             out = image if transform is None else seeded(transform, (image,), 0)
-        except Exception as e:  # noqa: BLE001 - said in one line, with where it was raised
-            raise UserError(f"{what} failed on its {describe_image(image)} first image: {describe_exception(e)}") from e
+        except Exception as e:  # noqa: BLE001 - named, with where it was raised
+            raise UserError(f"{what} failed on a {describe_image(image)} image: {describe_exception(e)}") from e
         if not (isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 3
                 and out.shape[0] == image.shape[0]):
             got = f"a {describe_image(out)} tensor" if isinstance(out, torch.Tensor) else describe_image(out)
@@ -38,28 +38,28 @@ def check_transforms(data, train, test) -> tuple:
     for other_shape, other, _ in others:
         if other_shape != shape:
             fix = f"a test transform giving it (e.g. v2.Resize({shape[1]}) and v2.CenterCrop({tuple(shape[1:])}))"
-            fix = fix if test is not None else f"{resize_fix(data.test, shape)}; or {fix}"  # or images of that size
+            fix = fix if test is not None else f"{resize_fix(data.test, shape)}; or {fix}"  # or images that size
             raise UserError(f"{what} gives images of {' x '.join(map(str, shape))} but {other} of "
                             f"{' x '.join(map(str, other_shape))}: the model takes one size: {fix}")
-    if shape != first:  # photos of any size, say: the data line gives the first's size
+    if shape != first:  # photos of any size: the data line gives the first's
         log(f"Input: the transforms make each image {' x '.join(map(str, shape))}, the model's input (the first "
             f"{next(iter(shapes))} image: {' x '.join(map(str, first))})")
     return shape
 
 
-def where_transform_runs(transform, image: torch.Tensor, *, device, loader: str, workers: int):
-    """Where a transform of data in memory runs: `device` (--loader gpu), else DataLoader workers (None)."""
-    gpu = loader == "gpu"
-    where = (f"on the {device.type} (--loader torch: in DataLoader workers)" if gpu else
+def where_transform_runs(*, device, loader: str, workers: int):
+    """Where a transform of data in memory runs: `device` (--loader gpu), else workers (None)."""
+    where = (f"on the {device.type} (--loader torch: in DataLoader workers)" if loader == "gpu" else
              f"in {workers} DataLoader worker(s) per rank (--loader gpu: on the {device.type})")
     log(f"note: the training transform is not the batched crop and flip: it runs per image {where}")
-    if not gpu:
-        call_and_agree(check_worker_sockets, workers)
-    return device if gpu else None
+    if loader == "gpu":
+        return device
+    call_and_agree(check_worker_sockets, workers)
+    return None
 
 
 def workers_take(train, train_tf, test_tf, *, workers: int) -> None:
-    """For DataLoader workers: where a Dataset's transform runs said; UserError unless the transforms pickle."""
+    """Says where a Dataset's transform runs; with workers, checks that the transforms pickle."""
     if train is not None and train_tf is not None and not isinstance(getattr(train, "images", None), torch.Tensor):
         where = (f"in {workers} DataLoader worker{'s' if workers > 1 else ''} per rank" if workers else
                  "in each rank's own process (--workers 0)")
@@ -74,5 +74,5 @@ def check_sendable(transforms: dict) -> None:
             pickle.dumps(transform)
         except Exception as e:  # noqa: BLE001 - PicklingError, AttributeError or TypeError
             raise UserError(f"the {name} transform (build_transforms in train_ddp.py) cannot be sent to the "
-                            f"DataLoader workers ({str(e).splitlines()[0]}): make its functions top-level in a module "
-                            f"(no lambda, nothing defined inside build_transforms), or run with --workers 0") from None
+                            f"DataLoader workers ({str(e).splitlines()[0]}): make its functions top-level (no lambda, "
+                            f"nothing defined in build_transforms), or use --workers 0") from None

@@ -481,8 +481,8 @@ def test_a_transform_that_cannot_be_pickled_is_named_in_one_line_with_its_fix_be
     output = proc.stdout + proc.stderr
     line = assert_one_line(output, "error: the training transform (build_transforms in train_ddp.py) cannot be "
                            "sent to the DataLoader workers (Can't pickle local object 'build_transforms.<locals>."
-                           "<lambda>'): make its functions top-level in a module (no lambda, nothing defined "
-                           "inside build_transforms), or run with --workers 0")
+                           "<lambda>'): make its functions top-level (no lambda, nothing defined in "
+                           "build_transforms), or use --workers 0")
     assert torchrun_root_cause(output) == line
     assert "pickle error" not in output and "load_data's" not in line
 

@@ -223,9 +223,9 @@ def test_a_resume_that_changes_the_recipe_is_refused_and_one_that_only_scores_ot
     run_in_process([*RUN, "--epochs", 2, "--stop-after-epoch", 1, "--mixup-alpha", 0.2, "--out-dir", out],
                    check=True)
     before = load_model_state(out)
-    for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 the checkpoint"),
+    for change, says in ((["--mixup-alpha", 0.4], "--mixup-alpha 0.4 differs from the 0.2 of the checkpoint"),
                          (["--mixup-alpha", 0.2, "--model-ema"],
-                          "--model-ema True differs from the False the checkpoint"),
+                          "--model-ema True differs from the False of the checkpoint"),
                          (["--mixup-alpha", 0.2, "--val-size", 64], "--val-size 64 differs from the 0")):
         proc = run_in_process([*RUN, "--epochs", 2, *change, "--out-dir", out])
         assert proc.returncode != 0

@@ -49,7 +49,7 @@ def test_a_run_that_lost_its_out_dir_to_another_stops_every_rank_in_one_line(tmp
     ranks = launcher_and_ranks(first)[1:]
     for pid in ranks:  # paused between two checkpoints, while the second run starts and takes the lock
         os.kill(pid, signal.SIGSTOP)
-    os.unlink(out / "run.lock")  # as the busy-out-dir message invites, when a run "is surely gone"
+    os.unlink(out / "run.lock")  # as the busy-out-dir message invites, "if it died"
     (tmp_path / "same").symlink_to(out)  # the same out-dir, by another name: the second run's log apart
     second, second_log = start([*common, "--out-dir", tmp_path / "same"], nproc=2)
     wait_for(lambda: (out / "run.lock").exists() or second.poll() is not None, what="the second run's lock")

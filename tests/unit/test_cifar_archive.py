@@ -76,7 +76,7 @@ def test_train_and_test_size_take_the_first_samples(tmp_path):
     full = du.load_split("cifar100", str(tmp_path), True)
     part = du.load_split("cifar100", str(tmp_path), True, size=30)
     assert torch.equal(part.images, full.images[:30]) and torch.equal(part.labels, full.labels[:30])
-    with pytest.raises(UserError, match="--train-size 101 exceeds the 100 train samples"):
+    with pytest.raises(UserError, match="--train-size 101 exceeds the 100 samples"):
         du.load_split("cifar100", str(tmp_path), True, size=101)
 
 

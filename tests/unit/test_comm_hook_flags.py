@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train_utils as utils
 from train_utils import check_args, get_args_parser
-from machinery.comm_hooks import comm_hook_notes
+from machinery.comm_hooks import comm_hook_notes, torch_comm_hook
 from machinery.errors import UserError
 from machinery.launch import DistEnv
 
@@ -31,7 +30,7 @@ def hook_cfg(hook, **flags):
 def test_a_half_precision_hook_the_backend_cannot_all_reduce_is_one_line_naming_those_it_can(one_rank_group,
                                                                                                 monkeypatch):
     env = DistEnv()  # one CPU rank
-    assert utils.comm_hook(hook_cfg("bf16"), env)[1].__name__ == "bf16_compress_hook"  # gloo runs it here
+    assert torch_comm_hook(hook_cfg("bf16"), env)[1].__name__ == "bf16_compress_hook"  # gloo runs it here
     real = dist.all_reduce
 
     def no_bf16(tensor, *args, **kwargs):  # a backend without bfloat16 sums
@@ -40,11 +39,11 @@ def test_a_half_precision_hook_the_backend_cannot_all_reduce_is_one_line_naming_
         return real(tensor, *args, **kwargs)
     monkeypatch.setattr(dist, "all_reduce", no_bf16)
     with pytest.raises(UserError) as refused:
-        utils.comm_hook(hook_cfg("bf16"), env)
+        torch_comm_hook(hook_cfg("bf16"), env)
     assert str(refused.value) == ("--comm-hook bf16: the gloo backend here cannot all-reduce torch.bfloat16 "
                                   "tensors; use --comm-hook fp16 or none")
-    assert utils.comm_hook(hook_cfg("fp16"), env)[1].__name__ == "fp16_compress_hook"
-    assert utils.comm_hook(hook_cfg("none"), env) == (None, None)
+    assert torch_comm_hook(hook_cfg("fp16"), env)[1].__name__ == "fp16_compress_hook"
+    assert torch_comm_hook(hook_cfg("none"), env) == (None, None)
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -190,7 +190,7 @@ def test_image_folder_samples_keeps_n_images_spread_evenly_over_every_class_and_
     assert len(kept) == 6 and kept.samples == [whole.samples[i] for i in (0, 2, 4, 6, 8, 10)]
     assert kept.targets == [0, 0, 1, 1, 2, 2] and kept.classes == ["a", "b", "c"]
     assert du.image_folder(root, samples=6).samples == kept.samples
-    with pytest.raises(UserError, match=r"train holds 12 images, fewer than the 13 asked for \(--train-size or "):
+    with pytest.raises(UserError, match=r"train holds 12 images, fewer than the 13 asked \(--train-size or "):
         du.image_folder(root, samples=13)
 
 

@@ -37,7 +37,7 @@ class Files(list):
      "int64 labels (N,)"),
     (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])),
      du.ImageData(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])),
-     "training images of 1 x 4 x 4 but test"),
+     "gives 1-channel training images, 3-channel test images"),
     (du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]), num_classes=2),
      du.ImageData(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 2])),
      "test labels span [0, 2], outside [0, 2)"),

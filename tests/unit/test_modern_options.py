@@ -193,10 +193,10 @@ def test_every_flag_has_a_resume_rule_and_every_rule_a_flag():
 
 
 @pytest.mark.parametrize("change, says", [
-    (["--mixup-alpha", "0.2"], "--mixup-alpha 0.2 differs from the None the checkpoint"),
+    (["--mixup-alpha", "0.2"], "--mixup-alpha 0.2 differs from the None of the checkpoint"),
     (["--model-ema"], "leave --model-ema out to continue it"),
     (["--val-size", "100"],
-     "--val-size 100 would change the data that the checkpoint .* leave --val-size out"),
+     "--val-size 100 differs from the 0 of the checkpoint .* or --val-size 0 to continue it"),
 ])
 def test_a_checkpoint_from_before_the_options_is_not_continued_with_one_turned_on(change, says):
     import train_utils as config
