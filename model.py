@@ -1,6 +1,6 @@
 """Wide Residual Network (Zagoruyko & Komodakis, 2016, https://arxiv.org/abs/1605.07146): WRN-d-k has three groups
-of n = (d - 4) / 6 pre-activation basic blocks (BN-ReLU before each 3x3 conv, optional dropout between the two, a 1x1
-projection where the shape changes) of 16k, 32k and 64k channels, as the paper's CIFAR code. Your own network replaces
+of n = (d - 4) / 6 pre-activation basic blocks (BN-ReLU before each 3x3 conv, maybe dropout between the two, 1x1
+projections where the shape changes) of 16k, 32k and 64k channels, as the paper's code. Your own network replaces
 `build_model` and `model_config` in train_ddp.py; nothing else depends on this file."""
 import torch
 import torch.nn as nn

@@ -5,7 +5,7 @@
     sbatch jobs/multigpu.sh                                           # Slurm: --recipe wrn-paper
 
 One file for plain python and torchrun: the launcher's RANK, LOCAL_RANK and WORLD_SIZE say whether this is one
-process of many, each on the GPU of its LOCAL_RANK with NCCL, or on CPU with gloo. Flags and presets: train_utils.py.
+process of many, each on the GPU of its LOCAL_RANK with NCCL, or on CPU with gloo. Flags: train_utils.py.
 Six places are marked ADAPT (1/6 to 6/6); an image classifier changes the first three: model, data, augmentation.
 Then the DDP story: train_step, train_one_epoch, evaluate, and train(), which wraps the model in DDP and loops.
 """
@@ -67,7 +67,7 @@ def load_data(cfg, env, train: bool = True):
 
 def build_transforms(cfg, data) -> tuple:
     """(train, test, batch) in torchvision.transforms.v2: each image's (None: as it is) and each training
-    micro-batch's (soft targets out). The loaders seed torch's generator per image and micro-batch (docs/adapt.md)."""
+    micro-batch's. The loaders seed torch's generator per image and micro-batch (docs/adapt.md)."""
     from torchvision.transforms import v2  # here: torchvision's import costs every process a second
     # ADAPT (3/6): your augmentation. Each image's transform takes a uint8 C x H x W tensor and returns one, of the
     # model's input size (a PIL image: end with v2.PILToTensor()). Photos, say: train [v2.RandomResizedCrop(224),
@@ -105,7 +105,7 @@ class Training:
 
 
 def build_training(cfg, env, data) -> Training:
-    """The model, optimizer, scaler, loss, loaders and normalisation: one path for train(), --evaluate and bench.py."""
+    """Model, optimizer, scaler, loss, loaders, normalisation: one path for train(), --evaluate, bench.py."""
     device = env.device
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     model = build_model(cfg, data.spec)
@@ -139,7 +139,7 @@ def build_training(cfg, env, data) -> Training:
 
 def train_step(model, images, labels, *, split, training: Training, cfg, step_log) -> torch.Tensor:
     """One optimizer step on this rank's share of a global batch: `split` is the step's samples over all ranks and
-    this rank's micro-batch sizes. Returns the step's sums on the device (a read on the host would stall the GPU)."""
+    this rank's micro-batch sizes. Returns the step's sums on the device (a host read would stall the GPU)."""
     normalize, optimizer, scaler, loss_fn = (training.normalize, training.optimizer, training.scaler,
                                              training.loss_fn)
     (step_samples, micro_sizes), device, amp_dtype = split, normalize.scale.device, cfg.amp_dtype
@@ -241,7 +241,7 @@ def train_one_epoch(model, training: Training, *, epoch: int, cfg, progress, ste
 @torch.no_grad()
 def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: bool = False) -> dict:
     """Loss, top-1 and top-5 over the whole test set, exact for any world size: each rank scores its shard, and the
-    sums (not means) are all-reduced. `model` is the bare model: a rank with an empty shard joins no DDP forward."""
+    sums (not means) are all-reduced. `model`: the bare model (a rank with an empty shard joins no DDP forward)."""
     device = normalize.scale.device
     # Each rank's BatchNorm running statistics drifted apart in training (each saw its own batches; DDP does
     # not re-send them): rank 0's go to every rank, so that all evaluate the one model rank 0 saves.
@@ -272,7 +272,7 @@ def evaluate(model, loader, *, normalize, amp_dtype, expected_count: int, tta: b
 
 
 def train(cfg, env, found, lock) -> int:
-    """The recipe: every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint it continues."""
+    """The recipe: every rank runs all of it; rank 0 alone prints and writes. `found`: the checkpoint continued."""
     # ------------------------------------------------------------------ data, then the model and its training
     if found.finished:  # a finished run rerun with the same command (a requeue, say): said, nothing to train
         return 0
@@ -342,8 +342,8 @@ def train(cfg, env, found, lock) -> int:
 
 
 def wrap_ddp(model, cfg, env, step_log) -> DDP:
-    """DDP averages the gradients in backward, bucket by bucket (--bucket-cap-mb) as each bucket's gradients come in,
-    overlapped with the rest of backward; bucket views spare a copy. --comm-hook changes what the all-reduce sends."""
+    """DDP averages the gradients in backward, a bucket (--bucket-cap-mb) once its gradients are in, overlapped with
+    the rest of backward; bucket views spare a copy. --comm-hook changes what the all-reduce sends."""
     # No buffer broadcast before each forward (a collective every step): training reads no BatchNorm running
     # statistics; evaluate() and checkpoints take rank 0's (a model that reads them: train() says what to drop).
     model = DDP(model, device_ids=[env.local_rank] if env.cuda else None, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -379,7 +379,7 @@ def evaluate_checkpoint(cfg, env, found) -> int:
 
 
 def init_distributed(device: str, timeout_s: float) -> DistEnv:
-    """Who this process is (torchrun's variables, which srun's tasks adopt), its device, and the process group: NCCL
+    """Who this process is (torchrun's variables; srun's tasks adopt them), its device, the process group: NCCL
     with one GPU per LOCAL_RANK, or gloo on CPUs. A plain `python train_ddp.py` is one process, in no group."""
     env = read_launcher(device)
     if "RANK" in os.environ:  # a launcher started this process as one of a group
@@ -405,7 +405,7 @@ def choose_kernels(*, deterministic: bool) -> None:
 
 
 def main(args, explicit=frozenset()) -> int:
-    """Join, lock the out-dir, find the checkpoint, make the config, train or evaluate, tear down (UserError: 2)."""
+    """Join, lock the out-dir, find the checkpoint, make the config, train or evaluate, tear down."""
     if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
         from machinery.self_check import run_self_check  # imported only here: a training run never needs it
         return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,

@@ -1,6 +1,6 @@
 """What train_ddp.py uses, in its order: the flags (a flag added to get_args_parser is cfg.<its name>), presets and
 resume rules, the argument checks, the config computed once (make_config), the LR schedule, DDP's options, the loss
-sums, the checks the ranks agree on, where training stands (Progress), the checkpoint (find_checkpoint's torch.load,
+sums, the checks the ranks agree on, where training stands, the checkpoint (find_checkpoint's torch.load,
 Checkpoint's torch.save), the first lines. A problem the user can fix is a UserError, said once, on every rank."""
 from __future__ import annotations
 
@@ -225,7 +225,7 @@ def check_args(args, world_size: int, device: torch.device) -> None:
             if value is not None and not test(value):
                 raise UserError(f"--{name.replace('_', '-')} {must}, got {value}{hint}")
     if args.sync_bn and device.type != "cuda":
-        raise UserError("--sync-bn needs CUDA GPUs (torch implements SyncBatchNorm only there); leave it out on CPU")
+        raise UserError("--sync-bn needs CUDA GPUs (torch's SyncBatchNorm runs only there); leave it out on CPU")
     if args.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -297,7 +297,7 @@ def scaled_lr(base_lr: float, batch_size: int, reference_batch: int, rule: str) 
 
 
 def auto_amp(device: torch.device):
-    """--amp auto: bf16 from Ampere (8.0; is_bf16_supported() says yes where it is emulated), fp16 before; CPU: fp32."""
+    """--amp auto: bf16 from Ampere (8.0; is_bf16_supported() says yes if emulated), fp16 before; CPU: fp32."""
     if device.type != "cuda":
         return None
     return torch.bfloat16 if torch.cuda.get_device_capability(device) >= (8, 0) else torch.float16
@@ -316,7 +316,7 @@ def lr_factor(start: float, end: float, *, epochs: int, warmup_epochs: float, sc
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
-# DDP's broadcast of the buffers before every forward, off: forward_sync_buffers since torch 2.14 (broadcast_buffers
+# DDP's broadcast of the buffers before each forward, off: forward_sync_buffers since torch 2.14 (broadcast_buffers
 # before, deprecated there).
 NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                           if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -331,7 +331,7 @@ EPOCH_SUMS = ("loss_sum", "finite_samples", "samples", "grad_norm_sum", "finite_
 
 def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: torch.Tensor | None = None,
                grad_norm: torch.Tensor | None = None):
-    """A micro-batch's share of EPOCH_SUMS, or a step's gradient norm (on rank 0 alone): device tensors, no wait."""
+    """A micro-batch's share of EPOCH_SUMS, or a step's gradient norm (rank 0 alone): device tensors, no wait."""
     value = loss_sum if grad_norm is None else grad_norm
     finite = torch.isfinite(value).double()
     kept = torch.where(finite > 0, value.double(), 0.0)
@@ -344,7 +344,7 @@ def step_stats(loss_sum: torch.Tensor | None = None, n: int = 0, *, correct: tor
 
 
 class LossCheck:
-    """A NaN or infinite loss on any rank stops the run; with fp16's scaler (`allow_nonfinite`), which skips the odd
+    """A NaN or infinite loss on any rank stops the run; with fp16's scaler (`allow_nonfinite`), skipping the odd
     overflowing step, only most samples since the last check being so does."""
 
     def __init__(self, device: torch.device, *, allow_nonfinite: bool):
@@ -396,7 +396,7 @@ class RunChecks(StopRequest):
         self.loader, self.device, self.loss = loader, device, LossCheck(device, allow_nonfinite=allow_nonfinite)
 
     def check(self, sums) -> bool:
-        """Collectives, at the same steps on every rank, before any checkpoint: True on all if any was asked to stop."""
+        """Collectives, at the same steps on every rank, before any save: True on all if any was asked to stop."""
         self.loader.check()
         self.loss.check(sums)
         return super().check(self.device)
@@ -461,7 +461,7 @@ class Found:
 
 
 def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
-    """The newest checkpoint in --out-dir that loads and the flags to continue it with; every rank raises why not."""
+    """The newest checkpoint in --out-dir that loads, and the flags to continue it with (or why not, on all)."""
     def load(path):  # every rank reads it; weights_only: tensors and plain data, never pickled code
         return torch.load(path, map_location=env.device, weights_only=True)
     loaded = call_and_agree(load_latest_checkpoint, args.out_dir, load, args.keep_checkpoints)  # newest that loads
@@ -482,8 +482,8 @@ def find_checkpoint(args, explicit: set, env: DistEnv, *, rules: dict) -> Found:
 
 
 class Checkpoint:
-    """What a checkpoint holds: `state` (name=object with state_dict()) is required; an option's later state goes in
-    `optional` (name: (object, what stands in for it in an older checkpoint)); then Progress, config, RNG states."""
+    """What a checkpoint holds: `state` (name=object with state_dict()) is required; an option's later state goes
+    in `optional` (name: (object, what stands in for it in older checkpoints)); then Progress, config, RNGs."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, data, *, model_config: dict, lock=None, optional=None,
                  **state):
@@ -501,7 +501,7 @@ class Checkpoint:
         return {**self.required, **{name: obj for name, (obj, _, _) in self.optional.items()}}
 
     def restore(self, found: Found) -> Progress:
-        """Load the checkpoint's state and return where training stands (a new run: epoch 0, --init-from's weights)."""
+        """Load the checkpoint's state; return where training stands (a new run: epoch 0, --init-from's weights)."""
         if not self.cfg.evaluate:
             self.check_room()
         if found.ckpt is None:
@@ -543,7 +543,7 @@ class Checkpoint:
         call_and_agree(check_room, self.cfg.out_dir, self.objects(), copies=copies, here=self.env.is_main)
 
     def save(self, progress: Progress) -> None:
-        """Every rank calls this (it gathers their RNG states); rank 0 writes, unless another run took the out-dir."""
+        """Every rank calls this (it gathers the RNG states); rank 0 writes, unless another run took the out-dir."""
         rng_cpu = all_gather(torch.get_rng_state())
         rng_cuda = all_gather(torch.cuda.get_rng_state(self.env.device)) if self.env.cuda else []
         state = {**{name: obj.state_dict() for name, obj in self.objects().items()},
@@ -556,7 +556,7 @@ class Checkpoint:
         best = bool(self.cfg.val_size) and not progress.position and is_best_epoch(progress.history)
         def write(f):  # into a temporary file, renamed over checkpoint.pt once whole (older ones shifted down)
             torch.save(state, f)
-        # Every rank holds the same weights: rank 0 alone writes them; if that fails, every rank leaves in one line.
+        # Every rank holds the same weights: rank 0 alone writes them; if that fails, all leave in one line.
         write_on_main(self.env, lambda: save_checkpoint(out_dir, write, self.cfg.keep_checkpoints, best=best),
                       what=what, out_dir=out_dir, lock=self.lock)
 
@@ -598,7 +598,7 @@ def log_start(cfg: RunConfig, env: DistEnv, data, found: Found) -> None:
 
 
 def flag_notes(cfg, ckpt: dict | None = None) -> list:
-    """What the flags do that a user probably did not mean, a line each (`ckpt`: the checkpoint resumed, if any)."""
+    """What the flags do that a user likely did not mean, a line each (`ckpt`: the checkpoint resumed, if any)."""
     notes = []
     if ckpt is not None and ckpt["config"]["epochs"] != cfg.epochs and cfg.lr_schedule != "constant":
         at, before = ckpt["progress"]["epoch"], ckpt["config"]["epochs"]  # epochs done, the run's length so far

@@ -99,7 +99,7 @@ CLOSURE_MAX_LINES = 3400  # what a copier takes along: the project's modules tha
 
 def test_importing_the_recipe_loads_at_most_3400_lines_of_the_project():
     """`import train_ddp` loads the core and the machinery it always needs; what only some runs need (a resume,
-    CIFAR-100's files, --profile, --init-from, the modern recipe's ops, DataLoader workers, a failure's explanation)
+    CIFAR-100's files, --init-from, the modern recipe's ops, DataLoader workers, a failure's explanation)
     loads when that run needs it."""
     code = ("import os, sys; import train_ddp; root = os.getcwd(); "
             "files = sorted(m.__file__ for m in list(sys.modules.values()) "
@@ -111,3 +111,26 @@ def test_importing_the_recipe_loads_at_most_3400_lines_of_the_project():
     lines, files = int(out[0]), [os.path.relpath(f, ROOT) for f in out[1:] if f]
     assert "train_ddp.py" in files and "machinery/errors.py" in files  # what it counts
     assert lines <= CLOSURE_MAX_LINES, files
+
+
+COPY_MAX_LINES = 4000  # the README's copy line's Python (issue 76: 5,137 lines before, 3,990 on 2026-12-02, 5212c3e)
+
+
+def copy_line_files() -> list:
+    """The .py files the README's copy line takes (its files, and every .py under its folders)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        block = f.read().split("<!-- the copy: the tests run exactly this line -->", 1)[1]
+    line = block.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    taken = line.split("cp -r ", 1)[1].split('"$REPO', 1)[0].split()
+    return sorted(os.path.join(root, name) for path in taken for root, _, names in
+                  ([(ROOT, None, [path])] if path.endswith(".py") else os.walk(os.path.join(ROOT, path)))
+                  for name in names if name.endswith(".py"))
+
+
+def test_the_readme_copy_line_takes_at_most_4000_lines_of_python():
+    """What a copier owns: every line of Python the README's copy line takes, blank ones and comments included."""
+    files = copy_line_files()
+    assert {"train_ddp.py", "model.py", "dataset_utils.py", "train_utils.py"} <= {os.path.basename(f) for f in files}
+    assert any(f.endswith(os.path.join("machinery", "self_check.py")) for f in files)
+    lines = {os.path.relpath(f, ROOT): sum(1 for _ in open(f)) for f in files}
+    assert sum(lines.values()) <= COPY_MAX_LINES, lines
