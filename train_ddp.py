@@ -406,12 +406,13 @@ def choose_kernels(*, deterministic: bool) -> None:
 
 def main(args, explicit=frozenset()) -> int:
     """Join, lock the out-dir, find the checkpoint, make the config, train or evaluate, tear down."""
-    if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
-        from machinery.self_check import run_self_check  # imported only here: a training run never needs it
-        return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,
-                              spec_type=dataset_utils.DataSpec)
     lock = None
     try:
+        if args.self_check:  # short runs of this file on the CPU, each guarantee said in a line (docs/adapt.md)
+            utils.check_args(args, 1, torch.device("cpu"))  # bad flags: refused once, not in every run
+            from machinery.self_check import run_self_check  # imported only here: a training run never needs it
+            return run_self_check(os.path.abspath(__file__), sys.argv[1:], build_model=build_model,
+                                  spec_type=dataset_utils.DataSpec)
         env = init_distributed(args.device, args.timeout)  # rank, device, process group: NCCL or gloo
         utils.check_args(args, env.world_size, env.device)  # after init: the ranks can wait for rank 0 to say why
         lock = None if args.evaluate else lock_out_dir(args.out_dir, env)  # one run per out-dir

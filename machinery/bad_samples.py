@@ -52,8 +52,9 @@ def bad_sample(data, idx: int, split: str, reason: str, **fix) -> BadSample:
     index = idx
     while isinstance(data, Subset):
         data, idx = data.dataset, data.indices[idx]
-    samples = getattr(data, "samples", None)  # ImageFolder's (file, label)s
-    file = str(samples[idx][0]) if isinstance(samples, list) and 0 <= idx < len(samples) else None
+    samples = getattr(data, "samples", None) or getattr(data, "imgs", None)  # ImageFolder's (file, label)s, or paths
+    entry = samples[idx] if isinstance(samples, (list, tuple)) and 0 <= idx < len(samples) else None
+    file = None if entry is None else str(entry[0] if isinstance(entry, (tuple, list)) else entry)
     if file and os.path.basename(file).startswith("._") and not fix:  # from a Mac's tar
         fix = {"fix": f"it is a Mac's AppleDouble metadata file, not an image: delete them (find "
                       f"{getattr(data, 'root', 'DIR')} -name '._*' -delete), or use dataset_utils.image_folder"}

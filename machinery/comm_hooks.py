@@ -1,4 +1,4 @@
-"""--comm-hook: torch's DDP communication hooks, and what each changes. Loaded only when given."""
+"""--comm-hook: torch's DDP communication hooks, and what each changes."""
 import contextlib
 
 import torch
@@ -20,11 +20,13 @@ def torch_comm_hook(cfg, env: DistEnv) -> tuple:
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=cfg.powersgd_rank,
                                             start_powerSGD_iter=cfg.powersgd_start, random_seed=cfg.seed)
         return state, powerSGD_hook.powerSGD_hook
-    works = []
-    for name, dtype in HALVES.items():  # a collective: every rank tries alike
+    works = []  # a collective: every rank tries alike, the other half only to name it in a refusal
+    for name in sorted(HALVES, key=lambda name: name != cfg.comm_hook):
         with contextlib.suppress(RuntimeError, TypeError, ValueError):
-            dist.all_reduce(torch.ones(1, dtype=dtype, device=env.device))
+            dist.all_reduce(torch.ones(1, dtype=HALVES[name], device=env.device))
             works.append(name)
+        if works == [cfg.comm_hook]:
+            break
     if cfg.comm_hook not in works:
         raise UserError(f"--comm-hook {cfg.comm_hook}: the {dist.get_backend()} backend here cannot all-reduce "
                         f"{HALVES[cfg.comm_hook]} tensors; use --comm-hook {' or '.join([*works, 'none'])}")

@@ -69,7 +69,9 @@ class StepLog:
                 torch.cuda.reset_peak_memory_stats(self.device)
             if self.profile_dir:  # --profile: steps 4-8 (1-3 warm up) of the first epoch here
                 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no back-end ERROR lines on a CPU
-                self.profiler = torch.profiler.profile(  # CPU, CUDA if present
+                activity = torch.profiler.ProfilerActivity  # CUDA's on CUDA runs only (not a CPU run's on a GPU host)
+                self.profiler = torch.profiler.profile(
+                    activities=[activity.CPU, *([activity.CUDA] if self.cuda else [])],
                     on_trace_ready=self.write_profile,
                     schedule=torch.profiler.schedule(wait=2, warmup=1, active=5, repeat=1))
                 self.profiler.start()

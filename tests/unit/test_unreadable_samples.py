@@ -98,3 +98,22 @@ def test_a_dataset_the_loader_workers_cannot_take_is_refused_in_one_line_naming_
     with pytest.raises(UserError, match=r"load_data's Local cannot be sent to the DataLoader workers .*make its "
                                         r"class top-level, or use --workers 0"):
         list(train)
+
+
+def test_a_dataset_listing_its_files_as_paths_or_imgs_names_the_unreadable_one(tmp_path):
+    """`samples` or `imgs` as paths (pathlib or str) or (file, label) pairs, in a list or a tuple: the file is named."""
+    class Listed(Dataset):
+        def __init__(self, **listing):
+            vars(self).update(listing)
+
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, idx):
+            raise OSError("image file is truncated")
+    b = tmp_path / "b.png"
+    for listing in ({"samples": [tmp_path / "a.png", b]}, {"samples": (("a.png", 0), (str(b), 1))},
+                    {"imgs": [str(tmp_path / "a.png"), str(b)]}):
+        bad = bad_samples.read_sample(Listed(**listing), 1, "training")
+        assert isinstance(bad, bad_samples.BadSample) and bad.file == str(b), (listing, bad)
+        assert bad.describe().startswith(f"training sample 1 ({b}): OSError: image file is truncated")
