@@ -106,11 +106,12 @@ def measure_data(train, test) -> DataSpec:
     labels = [(name, split, split.labels if isinstance(split, ImageData) else getattr(split, "targets", None))
               for split, name in ((train, "training"), (test, "test"))]
     num_classes = stated_classes(train) or stated_classes(test)
-    for _, split, split_labels in labels if not num_classes else ():  # 1 + the largest label, then
-        if split_labels is None:
-            raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its "
-                            f".num_classes (or .classes, or .targets, the list of its labels) in load_data")
-    num_classes = num_classes or 1 + max(int(torch.as_tensor(t).max()) for _, _, t in labels)
+    if not num_classes:  # 1 + the largest label of either split, which must list them
+        for _, split, split_labels in labels:
+            if split_labels is None:
+                raise UserError(f"load_data's {type(split).__name__} states no number of classes: set its "
+                                f".num_classes (or .classes, or .targets, the list of its labels) in load_data")
+        num_classes = 1 + max(int(torch.as_tensor(t).max()) for _, _, t in labels)
     for name, _, split_labels in labels:
         if split_labels is None or not len(split_labels):
             continue
